@@ -1,0 +1,143 @@
+"""The ``jcsaug`` command line: catalogues, policies and the synthetic dataset.
+
+Each sub-command is a function registered in :data:`COMMANDS` with its argument builder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
+
+
+def command(name: str, build: Callable[[argparse.ArgumentParser], None]):
+    def register(run: Callable[[argparse.Namespace], int]):
+        COMMANDS[name] = (build, run)
+        return run
+
+    return register
+
+
+# ----------------------------------------------------------------------------- ops
+def _build_ops(p: argparse.ArgumentParser) -> None:
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--tra", action="store_true", help="the 15 training-time series (SPEC §2)")
+    which.add_argument("--tea", action="store_true", help="the 84 test-time operations (SPEC §3)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+@command("ops", _build_ops)
+def _run_ops(args: argparse.Namespace) -> int:
+    if args.tra:
+        from jcsaug.ops.tra import tra_catalogue_json
+
+        catalogue = tra_catalogue_json()
+        if args.json:
+            print(json.dumps(catalogue, indent=1))
+            return 0
+        print(f"{'series':>6}  {'series name':<20} {'op':>3}  {'name':<28} magnitude")
+        for s in catalogue:
+            for op in s["ops"]:
+                lo, hi = op["magnitude"]
+                mag = "" if op["kind"] == "identity" else f"{'±' if op['signed'] else ''}[{lo:g}, {hi:g})"
+                print(f"{s['id']:>6}  {s['series']:<20} {op['index']:>3}  {op['name']:<28} {mag}")
+        return 0
+    from jcsaug.ops.tea import tea_catalogue_json
+
+    catalogue = tea_catalogue_json()
+    if args.json:
+        print(json.dumps(catalogue, indent=1))
+        return 0
+    print(f"{'id':>3}  {'kind':<16} {'name':<32} magnitude")
+    for op in catalogue:
+        print(f"{op['id']:>3}  {op['kind']:<16} {op['name']:<32} {op['magnitude']:g}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- policy
+def _build_policy(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="policy_command", required=True)
+    show = sub.add_parser("show", help="print a policy's probabilities by class group, series and op")
+    show.add_argument("path", nargs="?", help="a policies.json written by a run")
+    show.add_argument("--preset", help="show an initial TRA preset instead (e.g. nnunet, deepmedic, uniform)")
+    show.add_argument("--groups", type=int, default=2, help="class groups for --preset (default 2)")
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _print_policies(data: dict) -> None:
+    for g in data.get("tra", {}).get("groups", []):
+        print(f"TRA policy, class group {g['group']}")
+        for s in g["series"]:
+            ops = "  ".join(f"{op['name']}={op['probability']:.3f}" for op in s["ops"])
+            print(f"  {s['series']:<20} {ops}")
+    if "tea" in data:
+        top = sorted(data["tea"]["ops"], key=lambda op: -op["probability"])
+        print("TEA policy (ops by probability)")
+        for op in top:
+            print(f"  {op['id']:>3} {op['name']:<32} {op['probability']:.4f}")
+
+
+@command("policy", _build_policy)
+def _run_policy(args: argparse.Namespace) -> int:
+    from jcsaug.policy.factory import make_tra_policy
+    from jcsaug.policy.io import load_policies, policies_to_dict
+
+    if (args.path is None) == (args.preset is None):
+        print("jcsaug policy show: give either a policies.json PATH or --preset NAME", file=sys.stderr)
+        return 2
+    try:
+        if args.preset:
+            data = policies_to_dict(tra=make_tra_policy(args.preset, num_groups=args.groups))
+        else:
+            data = policies_to_dict(*load_policies(args.path))
+    except (KeyError, ValueError) as err:
+        print(f"jcsaug policy show: {err.args[0] if err.args else err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(data, indent=1))
+    else:
+        _print_policies(data)
+    return 0
+
+
+# ----------------------------------------------------------------------------- synthetic data
+def _build_synthetic(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out_dir", help="directory to write the NIfTI volumes and dataset.json into")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-train", type=int, default=16)
+    p.add_argument("--num-val", type=int, default=4)
+    p.add_argument("--num-test", type=int, default=6)
+    p.add_argument("--shape", type=int, nargs=3, default=(48, 48, 48))
+    p.add_argument("--overwrite", action="store_true", help="regenerate even if dataset.json exists")
+
+
+@command("make-synthetic", _build_synthetic)
+def _run_synthetic(args: argparse.Namespace) -> int:
+    from jcsaug.data.synthetic import make_synthetic_dataset
+
+    path = make_synthetic_dataset(
+        args.out_dir, num_train=args.num_train, num_val=args.num_val, num_test=args.num_test,
+        shape=tuple(args.shape), seed=args.seed, overwrite=args.overwrite,
+    )  # fmt: skip
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jcsaug", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (build, _) in COMMANDS.items():
+        build(sub.add_parser(name))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command][1](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

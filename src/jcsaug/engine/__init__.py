@@ -1,0 +1,26 @@
+"""Ignite handlers that learn TRA and TEA policies during training, and the maths behind them."""
+
+from jcsaug.engine.export import PolicyExporter
+from jcsaug.engine.hypergradient import (
+    finite_difference_hypergradient,
+    jvp_hypergradient,
+    normalise_hypergradient,
+)
+from jcsaug.engine.losses import LOSSES, get_loss
+from jcsaug.engine.modes import TEA_MODES, TRA_MODES, AugmentationSetup
+from jcsaug.engine.tea_updater import TEAPolicyUpdater
+from jcsaug.engine.tra_updater import TRAPolicyUpdater
+
+__all__ = [
+    "LOSSES",
+    "TEA_MODES",
+    "TRA_MODES",
+    "AugmentationSetup",
+    "PolicyExporter",
+    "TEAPolicyUpdater",
+    "TRAPolicyUpdater",
+    "finite_difference_hypergradient",
+    "get_loss",
+    "jvp_hypergradient",
+    "normalise_hypergradient",
+]

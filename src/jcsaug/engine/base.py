@@ -1,0 +1,217 @@
+"""What the TRA and TEA policy updaters share: the policy optimiser, its poly schedule, the validation
+stream, batch preparation, skip-with-one-warning, logging of changes and checkpointable state."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine, Events
+from monai.data import list_data_collate
+from torch import nn
+
+from jcsaug.policy.categorical import CategoricalPolicy
+
+logger = logging.getLogger("jcsaug.engine")
+
+PrepareBatch = Callable[[Mapping, torch.device], tuple[torch.Tensor, torch.Tensor]]
+
+
+class SkipUpdate(Exception):
+    """Raised inside an update to skip it (the reason is warned about once)."""
+
+
+def plain(x: torch.Tensor) -> torch.Tensor:
+    return x.as_tensor() if hasattr(x, "as_tensor") else x
+
+
+def as_batch(batch: Mapping | Sequence) -> Mapping:
+    """A dictionary batch; MONAI engines decollate ``state.batch`` into a list of samples by the time
+    ITERATION_COMPLETED fires, which is collated back here."""
+    if isinstance(batch, Mapping):
+        return batch
+    if isinstance(batch, Sequence) and batch and isinstance(batch[0], Mapping):
+        return list_data_collate(list(batch))
+    raise TypeError(f"expected a dictionary batch (or a list of sample dictionaries), got {type(batch).__name__}")
+
+
+def make_prepare_batch(image_key: str = "image", label_key: str = "label") -> PrepareBatch:
+    """Default batch preparation: ``(batch[image_key], batch[label_key])`` as plain tensors on ``device``."""
+
+    def prepare(batch: Mapping, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        missing = [k for k in (image_key, label_key) if k not in batch]
+        if missing:
+            raise KeyError(f"batch has no key(s) {missing}; keys are {list(batch)}")
+        return plain(batch[image_key]).to(device), plain(batch[label_key]).to(device)
+
+    return prepare
+
+
+class ValidationStream:
+    """Endless iteration over a validation loader (a new pass starts when one ends)."""
+
+    def __init__(self, loader: Iterable | None) -> None:
+        self.loader = loader
+        self._it: Iterator | None = None
+
+    def next(self) -> Mapping | None:
+        """The next batch, or ``None`` if the loader yields nothing at all."""
+        if self.loader is None:
+            return None
+        for _ in range(2):
+            if self._it is None:
+                self._it = iter(self.loader)
+            try:
+                return next(self._it)
+            except StopIteration:
+                self._it = None
+        return None
+
+
+class PolicyUpdater:
+    """Base of the Ignite handlers that update a policy every ``update_every`` iterations.
+
+    Args:
+        policy: the policy to learn (kept on the CPU).
+        model: the segmentation network being trained.
+        lr: the policy's Adam learning rate (beta for TRA, gamma for TEA).
+        update_every: update on every N-th iteration.
+        poly_power: the policy lr decays as ``lr * (1 - t / T) ** poly_power`` over the run, like the
+            model's; ``0`` keeps it constant.
+        seed: seed of the update's own random stream (Gumbel noise, TEA op draws).
+        name: used in logs and TensorBoard tags.
+    """
+
+    def __init__(
+        self,
+        policy: CategoricalPolicy,
+        model: nn.Module,
+        lr: float,
+        update_every: int = 1,
+        poly_power: float = 0.9,
+        seed: int = 0,
+        name: str = "policy",
+    ) -> None:
+        if update_every < 1:
+            raise ValueError(f"update_every must be >= 1, got {update_every}")
+        if lr < 0 or not math.isfinite(lr):
+            raise ValueError(f"policy learning rate must be finite and >= 0, got {lr}")
+        self.policy = policy
+        self.model = model
+        self.base_lr = float(lr)
+        self.update_every = int(update_every)
+        self.poly_power = float(poly_power)
+        self.name = name
+        self.optimizer = torch.optim.Adam(policy.parameters(), lr=lr, betas=(0.9, 0.999))
+        self.generator = torch.Generator().manual_seed(int(seed) + idist.get_rank())
+        self.updates = 0
+        self.skipped = 0
+        self._warned: set[str] = set()
+        self.last_changes: list[tuple[str, float]] = []
+
+    # ------------------------------------------------------------------ ignite
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.ITERATION_COMPLETED(every=self.update_every), self._run_update)
+
+    def _run_update(self, engine: Engine) -> None:
+        before = [p.clone() for p in self.policy.probabilities()]
+        try:
+            self.update(engine)
+        except SkipUpdate as reason:
+            self.skip(str(reason))
+            return
+        self.updates += 1
+        self._log_changes(engine, before)
+
+    def update(self, engine: Engine) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def device(self) -> torch.device:
+        try:
+            return next(self.model.parameters()).device
+        except StopIteration:
+            return torch.device("cpu")
+
+    def skip(self, reason: str) -> None:
+        self.skipped += 1
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"{self.name} update skipped: {reason} (warned once; training goes on)", stacklevel=2)
+        logger.debug("%s update skipped: %s", self.name, reason)
+
+    def current_lr(self, engine: Engine) -> float:
+        total = (engine.state.max_epochs or 1) * (engine.state.epoch_length or 1)
+        progress = min(max((engine.state.iteration - 1) / max(total, 1), 0.0), 1.0)
+        return self.base_lr * (1.0 - progress) ** self.poly_power
+
+    def step(self, engine: Engine, surrogate: torch.Tensor, drawn: torch.Tensor | None = None) -> None:
+        """Backpropagate ``surrogate`` into the logits, all-reduce across ranks, check, and step Adam.
+
+        ``drawn`` (``[groups, logits]`` bool) masks the gradient to the ops drawn in this update (on any
+        rank), as the paper's normalisation promises: an op that was not sampled gets no gradient.
+        Without the mask it would get the small softmax-coupling term ``-sum_i h_i s_ik s_ij``, which
+        Adam's per-coordinate scaling would blow up into a full-sized, noise-driven step.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        surrogate.backward()
+        grad = self.policy.logits.grad
+        if grad is None:
+            raise SkipUpdate("no gradient reached the policy")
+        if idist.get_world_size() > 1:
+            # keep the policies identical on every rank: average their gradients before stepping
+            grad.copy_(idist.all_reduce(grad.clone()) / idist.get_world_size())
+            if drawn is not None:
+                drawn = idist.all_reduce(drawn.to(torch.float32)) > 0
+        if drawn is not None:
+            grad.masked_fill_(~drawn.to(grad.device), 0.0)
+        if not torch.isfinite(grad).all():
+            self.optimizer.zero_grad(set_to_none=True)
+            raise SkipUpdate("non-finite policy gradient")
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.current_lr(engine)
+        self.optimizer.step()
+
+    def _log_changes(self, engine: Engine, before: list[torch.Tensor]) -> None:
+        after = self.policy.probabilities()
+        changes = []
+        for s, (b, a) in enumerate(zip(before, after)):
+            delta = a - b  # [groups, ops]: report, per op, the group that changed most (with its sign)
+            diff = delta.gather(0, delta.abs().argmax(0, keepdim=True))[0]
+            for j in range(len(diff)):
+                changes.append((f"{self.policy.series_names[s]}/{self.policy.op_names[s][j]}", float(diff[j])))
+        changes.sort(key=lambda c: -abs(c[1]))
+        self.last_changes = changes[:3]
+        logger.info(
+            "iteration %d: %s update %d; most changed: %s",
+            engine.state.iteration,
+            self.name,
+            self.updates,
+            ", ".join(f"{n} ({d:+.2e})" for n, d in self.last_changes),
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Tensors and plain Python values only (loads with ``torch.load(weights_only=True)``)."""
+        return {
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+            "updates": self.updates,
+            "skipped": self.skipped,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        missing = {"policy", "optimizer", "generator"} - set(state)
+        if missing:
+            raise KeyError(f"{self.name} state is missing {sorted(missing)}")
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        self.updates = int(state.get("updates", 0))
+        self.skipped = int(state.get("skipped", 0))

@@ -1,0 +1,90 @@
+"""Ignite handler: the policies' life in a run — history, TensorBoard scalars, ``policies.json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import ignite.distributed as idist
+from ignite.engine import Engine, Events
+
+from jcsaug.policy.categorical import CategoricalPolicy
+from jcsaug.policy.io import save_policies
+
+logger = logging.getLogger("jcsaug.engine")
+
+
+def _probability_scalars(prefix: str, policy: CategoricalPolicy) -> dict[str, float]:
+    out = {}
+    for s, probs in enumerate(policy.probabilities()):
+        for g in range(policy.num_groups):
+            group = f"group{g}/" if policy.num_groups > 1 else ""
+            for j, p in enumerate(probs[g].tolist()):
+                out[f"{prefix}/{group}{policy.series_names[s]}/{policy.op_names[s][j]}"] = p
+    return out
+
+
+class PolicyExporter:
+    """Write the policies of a run (rank 0 only).
+
+    * every epoch: one line of probabilities appended to ``output_dir/policy_history.jsonl`` and, when
+      ``tensorboard_dir`` is given and tensorboard is installed, a scalar per op probability;
+    * at the end of training (and on every epoch, so a crash leaves a recent one): ``policies.json``,
+      written atomically, readable by ``jcsaug policy show PATH``.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        tra_policy: CategoricalPolicy | None = None,
+        tea_policy: CategoricalPolicy | None = None,
+        tensorboard_dir: str | Path | None = None,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.tra_policy, self.tea_policy = tra_policy, tea_policy
+        self.tensorboard_dir = tensorboard_dir
+        self._writer = None
+
+    def attach(self, engine: Engine) -> None:
+        if idist.get_rank() != 0:
+            return
+        engine.add_event_handler(Events.STARTED, self._open)
+        engine.add_event_handler(Events.EPOCH_COMPLETED, self._epoch)
+        engine.add_event_handler(Events.COMPLETED, self.write_policies)
+
+    @property
+    def policies_path(self) -> Path:
+        return self.output_dir / "policies.json"
+
+    def _open(self, engine: Engine) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if self.tensorboard_dir is not None and self._writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                logger.warning("tensorboard is not installed: no policy scalars (pip install jcsaug[tensorboard])")
+            else:
+                self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+
+    def _scalars(self) -> dict[str, float]:
+        scalars = {}
+        if self.tra_policy is not None:
+            scalars.update(_probability_scalars("tra", self.tra_policy))
+        if self.tea_policy is not None:
+            scalars.update(_probability_scalars("tea", self.tea_policy))
+        return scalars
+
+    def _epoch(self, engine: Engine) -> None:
+        scalars = self._scalars()
+        record = {"epoch": engine.state.epoch, "iteration": engine.state.iteration, "probabilities": scalars}
+        with open(self.output_dir / "policy_history.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, value, engine.state.iteration)
+            self._writer.flush()
+        self.write_policies(engine)
+
+    def write_policies(self, engine: Engine | None = None) -> Path:
+        return save_policies(self.policies_path, self.tra_policy, self.tea_policy)

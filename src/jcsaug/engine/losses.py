@@ -1,0 +1,65 @@
+"""Per-sample segmentation losses by name (``ce``, ``dice``, ``ce+dice``), built on MONAI and torch.
+
+The policy updates need one loss value per sample (``[B]``); the validation loss is their mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from monai.losses import DiceLoss
+
+PerSampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def main_output(pred: torch.Tensor | list | tuple) -> torch.Tensor:
+    """The full-resolution logits of a network output (first head of deep-supervision outputs)."""
+    if isinstance(pred, (list, tuple)):
+        return pred[0]
+    if isinstance(pred, dict):
+        raise TypeError("dictionary network outputs are not supported; wrap the network to return logits")
+    return pred
+
+
+def _label_indices(label: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, *spatial]`` (or ``[B, *spatial]``) integer labels -> ``[B, *spatial]`` long."""
+    if label.ndim >= 2 and label.shape[1] == 1:
+        label = label[:, 0]
+    return label.long()
+
+
+def per_sample_ce(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    ce = F.cross_entropy(logits, _label_indices(label), reduction="none")
+    return ce.flatten(1).mean(1)
+
+
+_DICE = DiceLoss(to_onehot_y=True, softmax=True, include_background=False, reduction="none")
+
+
+def per_sample_dice(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Soft Dice loss over the foreground classes, one value per sample (MONAI ``DiceLoss``)."""
+    lab = label if label.ndim == logits.ndim else label.unsqueeze(1)
+    return _DICE(logits, lab).flatten(1).mean(1)
+
+
+def per_sample_ce_dice(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return per_sample_ce(logits, label) + per_sample_dice(logits, label)
+
+
+#: name -> per-sample loss ``(logits [B, C, ...], label [B, 1, ...]) -> [B]``
+LOSSES: dict[str, PerSampleLoss] = {
+    "ce": per_sample_ce,
+    "dice": per_sample_dice,
+    "ce+dice": per_sample_ce_dice,
+}
+
+
+def get_loss(name: str | PerSampleLoss) -> PerSampleLoss:
+    if callable(name):
+        return name
+    key = str(name).lower().replace(" ", "").replace("dsc", "dice").replace("dicece", "ce+dice")
+    if key not in LOSSES:
+        raise KeyError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
+    return LOSSES[key]

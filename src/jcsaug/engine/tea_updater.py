@@ -1,0 +1,132 @@
+"""Ignite handler: the TEA policy update of SPEC §5, every N iterations."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from ignite.engine import Engine
+from monai.losses import DiceLoss
+from torch import nn
+
+from jcsaug.engine.base import PolicyUpdater, PrepareBatch, SkipUpdate, ValidationStream, make_prepare_batch
+from jcsaug.engine.losses import main_output
+from jcsaug.policy.categorical import CategoricalPolicy
+from jcsaug.policy.transforms import centre_class
+
+# soft Dice loss over *all* foreground classes (the reference code scores class 1 only: a bug)
+_SOFT_DICE = DiceLoss(include_background=False, to_onehot_y=True, softmax=False, reduction="none")
+
+
+def soft_dice_loss(probs: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """``[B, C, ...]`` probabilities vs ``[B, 1, ...]`` labels -> ``[B]`` mean foreground soft Dice loss."""
+    return _SOFT_DICE(probs, label).flatten(1).mean(1)
+
+
+def predict_by_shape(model: nn.Module, images: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Softmax predictions of single images ``[C, ...]``; images of equal shape go through together."""
+    out: list[torch.Tensor | None] = [None] * len(images)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, x in enumerate(images):
+        by_shape.setdefault(tuple(x.shape), []).append(i)
+    for idx in by_shape.values():
+        probs = torch.softmax(main_output(model(torch.stack([images[i] for i in idx]))).float(), dim=1)
+        for j, i in enumerate(idx):
+            out[i] = probs[j]
+    return out  # type: ignore[return-value]
+
+
+class TEAPolicyUpdater(PolicyUpdater):
+    """Learn the TEA policy (SPEC §5) from one foreground-centred validation patch per update.
+
+    The patch is copied Z+1 times: copy 0 stays untouched, copies 1..Z are transformed by ops drawn
+    from the TEA policy (Gumbel-softmax). The current network predicts each copy (no gradient through
+    the network), every prediction is mapped back by its op's inverse, and scored by soft Dice against
+    the label over all foreground classes. The loss ``sum_k w_k Dice_k / sum_k w_k`` gives centred
+    gradients ``dL/dw_k``, which are divided by how often op k was drawn before the Adam step.
+
+    Args:
+        policy: the TEA policy (84 ops, see :func:`jcsaug.policy.make_tea_policy`).
+        model: the network (evaluated in eval mode, its mode restored afterwards).
+        val_loader: validation patches (dictionary batches).
+        lr: gamma, the policy learning rate.
+        num_copies: Z.
+        ops: the TEA catalogue (default :data:`jcsaug.ops.tea.TEA_OPS`).
+        max_batches: validation batches searched for a foreground-centred patch before skipping.
+        mask_undrawn: ops not drawn among the Z copies get a zero gradient (see :meth:`PolicyUpdater.step`).
+    """
+
+    def __init__(
+        self,
+        policy: CategoricalPolicy,
+        model: nn.Module,
+        val_loader: Iterable | None,
+        lr: float = 5e-5,
+        update_every: int = 1,
+        num_copies: int = 10,
+        ops: Sequence | None = None,
+        image_key: str = "image",
+        label_key: str = "label",
+        prepare_batch: PrepareBatch | None = None,
+        max_batches: int = 4,
+        poly_power: float = 0.9,
+        seed: int = 0,
+        mask_undrawn: bool = True,
+    ) -> None:
+        super().__init__(policy, model, lr, update_every, poly_power, seed + 7919, name="TEA")
+        self.mask_undrawn = mask_undrawn
+        if ops is None:
+            from jcsaug.ops.tea import TEA_OPS
+
+            ops = TEA_OPS
+        if policy.num_series != 1 or policy.series_sizes[0] != len(ops):
+            raise ValueError(f"TEA policy must have one series of {len(ops)} ops, got sizes {policy.series_sizes}")
+        if num_copies < 1:
+            raise ValueError(f"num_copies (Z) must be >= 1, got {num_copies}")
+        self.ops = ops
+        self.num_copies = int(num_copies)
+        self.val_stream = ValidationStream(val_loader)
+        self.prepare_batch = prepare_batch or make_prepare_batch(image_key, label_key)
+        self.max_batches = int(max_batches)
+        self.last_dice: dict[str, float] = {}
+
+    def _foreground_patch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        fallback = None
+        for _ in range(self.max_batches):
+            batch: Mapping | None = self.val_stream.next()
+            if batch is None:
+                raise SkipUpdate("the validation loader is empty")
+            image, label = self.prepare_batch(batch, self.device)
+            for i in range(image.shape[0]):
+                if centre_class(label[i].cpu()) != 0:
+                    return image[i], label[i]
+                if fallback is None and bool((label[i] != 0).any()):
+                    fallback = (image[i], label[i])
+        if fallback is None:
+            raise SkipUpdate("no validation patch with foreground")
+        return fallback
+
+    def update(self, engine: Engine) -> None:
+        image, label = self._foreground_patch()
+        choices, weights = self.policy.gumbel_sample(torch.zeros(self.num_copies, dtype=torch.long), self.generator)
+        ops = [self.ops[int(k)] for k in choices[:, 0]]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                preds = predict_by_shape(self.model, [image] + [op.transform_image(image) for op in ops])
+        finally:
+            self.model.train(was_training)
+        mapped = torch.stack([preds[0]] + [op.invert(p) for op, p in zip(ops, preds[1:])])
+        dice = soft_dice_loss(mapped, label.unsqueeze(0).expand(len(mapped), *label.shape)).double().cpu()
+        if not torch.isfinite(dice).all():
+            raise SkipUpdate("non-finite TEA Dice")
+        self.last_dice = {"untouched": float(dice[0]), "augmented_mean": float(dice[1:].mean())}
+        # L = sum_k w_k D_k / sum_k w_k at w = 1: dL/dw_k = (D_k - mean D) / Z (already centred)
+        w = torch.ones(self.num_copies, dtype=torch.float64, requires_grad=True)
+        loss = (w * dice[1:]).sum() / w.sum()
+        (h,) = torch.autograd.grad(loss, w)
+        drawn = choices[:, 0]
+        counts = (drawn[:, None] == drawn[None, :]).sum(1).double()
+        drawn = self.policy.drawn_mask(choices) if self.mask_undrawn else None
+        self.step(engine, ((h / counts).to(weights.dtype) * weights[:, 0]).sum(), drawn)

@@ -1,0 +1,5 @@
+"""Test-time augmentation inferers."""
+
+from jcsaug.inference.tta import TTA_INFERERS, MirrorTTAInferer, NoTTAInferer, TEAInferer, load_tea_policy
+
+__all__ = ["TTA_INFERERS", "MirrorTTAInferer", "NoTTAInferer", "TEAInferer", "load_tea_policy"]

@@ -1,0 +1,19 @@
+"""Operation catalogues: the 15 TRA series (SPEC §2) and the 84 TEA operations (SPEC §3)."""
+
+from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL
+from jcsaug.ops.catalogue import OpSpec, Series
+from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, sample_tra_params, tra_catalogue_json
+
+__all__ = [
+    "AXIS_NAMES",
+    "FRONTAL",
+    "LONGITUDINAL",
+    "SAGITTAL",
+    "OpSpec",
+    "Series",
+    "TRA_SERIES",
+    "TRAParams",
+    "apply_tra",
+    "sample_tra_params",
+    "tra_catalogue_json",
+]

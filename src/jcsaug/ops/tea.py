@@ -1,0 +1,314 @@
+"""The test-time augmentation (TEA) catalogue of SPEC §3: 84 deterministic operations.
+
+Ids and order follow the paper's numbering:
+
+* 0 identity;
+* 1-5 / 6-10 scale down / up by ``1 + M`` (``M`` = .05 .15 .25 .35 .45): the content shrinks / grows;
+* 11-15 rotate about the frontal axis anticlockwise 5, 15, 25, 90, 180 degrees, 16-19 clockwise
+  5, 15, 25, 90 degrees; 20-28 the same about the sagittal axis, 29-37 about the longitudinal axis;
+* 38-41 mirror in the sagittal / frontal / axial plane (array axis 0 / 1 / 2) and in all three;
+* 42-44 / 45-47 gamma expansion ``x ** (1 + g)`` / compression ``x ** (1 / (1 + g))``, ``g`` = .1 .3 .5,
+  on the sample rescaled to [0, 1] and back (MONAI ``AdjustContrast``); 48-53 the same on the
+  inverted sample (``AdjustContrast(invert_image=True)``);
+* 54-56 / 57-59 add / subtract .05 .15 .25; 60-62 / 63-65 multiply / divide by ``1 + s``;
+* 66-68 / 69-71 contrast about the mean up ``(x - m)(1 + s) + m`` / down with ``1 / (1 + s)``;
+* 72-74 Gaussian blur sigma .5 .7 .9; 75-77 sharpening ``x - LoG(x, sigma)``, sigma .9 .7 .5;
+* 78-80 Gaussian noise std .025 .075 .125 with a fixed seed per op (the same image always gets the
+  same noise); 81-83 low resolution (zoom .9 .7 .5 down linearly, back up with nearest neighbour).
+
+Conventions (see :mod:`jcsaug.ops.axes`): images are ``[..., X, Y, Z]`` with any leading dims.
+"Anticlockwise" about an axis is the sense of ``torch.rot90(k=1, dims=rotation_plane(axis))``: a
+point on the positive first axis of the plane moves towards the positive second axis.
+
+Inversion guarantees (:meth:`TEAOp.invert` maps a prediction made on the transformed image back to
+the original grid):
+
+* mirrors and 90/180-degree rotations are exact array operations and are inverted exactly (shapes
+  of non-cubic volumes are restored);
+* scalings and 5/15/25-degree rotations are one MONAI ``Affine`` about the volume centre; the inverse
+  resamples the prediction with the exact inverse matrix (bilinear, ``"border"`` padding), so it is
+  exact up to two linear interpolations, except near the border where content left the field of
+  view;
+* intensity ops have an identity inverse.
+
+Padding: images are resampled with ``"border"`` padding (edge values are repeated rather than
+inventing a zero intensity that may not be background after normalisation), labels with
+``"zeros"`` (background) and nearest neighbour, so labels keep their values and dtype.
+
+Intensity ops act on each ``[C, X, Y, Z]`` sample (the last four dims) separately, like the TRA
+pipeline acts on a sample: min/max (gamma), mean (contrast) and range (sharpening clip) are per sample,
+and every sample of a batch gets the op's fixed noise.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from monai.transforms import AdjustContrast, Affine, GaussianSmooth, ScaleIntensityFixedMean
+from monai.transforms.utils import create_rotate, create_scale
+
+from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL, rotation_plane
+from jcsaug.ops.filters import log_sharpen
+from jcsaug.ops.tra import _low_resolution
+
+SPATIAL_KINDS = frozenset({"scale", "rotate", "rot90", "flip"})
+
+#: Base of the per-op noise seed (the seed of op ``i`` is ``NOISE_SEED_BASE + i``).
+NOISE_SEED_BASE = 1234
+
+#: Sign to give MONAI's rotation angle about each array axis so that a positive TEA angle turns the
+#: content like ``torch.rot90(k=1)`` on ``rotation_plane(axis)``. MONAI's ``Affine`` maps output
+#: coordinates to input coordinates (the content moves by the inverse matrix) and ``create_rotate``
+#: uses right-handed rotations, whose in-plane sense about the middle axis is opposite to the
+#: other two; the sign is checked numerically in ``tests/test_tea_ops.py``.
+_MONAI_ANGLE_SIGN = {SAGITTAL: -1.0, FRONTAL: 1.0, LONGITUDINAL: -1.0}
+
+_SCALE_MAGNITUDES = (0.05, 0.15, 0.25, 0.35, 0.45)
+_ANGLES = (5.0, 15.0, 25.0)
+_GAMMAS = (0.1, 0.3, 0.5)
+_STEPS = (0.05, 0.15, 0.25)
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """A MetaTensor as a plain tensor (plain tensors unchanged)."""
+    return x.as_tensor() if hasattr(x, "as_tensor") else x
+
+
+def _check_spatial(x: torch.Tensor, what: str) -> None:
+    if x.ndim < 3:
+        raise ValueError(
+            f"TEA ops need 3D volumes [..., X, Y, Z] (at least 3 dims); the {what} has shape {tuple(x.shape)}"
+        )
+
+
+def _resample(x: torch.Tensor, matrix: np.ndarray, mode: str, padding_mode: str) -> torch.Tensor:
+    """Resample ``x [..., X, Y, Z]`` with MONAI's ``Affine`` (output -> input ``matrix`` about the centre).
+
+    All leading dims are flattened into MONAI's channel dim and restored afterwards.
+    """
+    lead, spatial = x.shape[:-3], x.shape[-3:]
+    dtype = x.dtype if x.is_floating_point() else torch.float32
+    flat = x.reshape(-1, *spatial).to(dtype)
+    affine = Affine(
+        affine=matrix, mode=mode, padding_mode=padding_mode, image_only=True, dtype=dtype, device=flat.device
+    )
+    out = _plain(affine(flat))
+    return out.to(dtype).reshape(*lead, *spatial)
+
+
+def _per_sample(x: torch.Tensor, fn) -> torch.Tensor:
+    """Apply ``fn`` to each ``[C, X, Y, Z]`` sample of ``x [..., X, Y, Z]`` (a 3-dim x is one sample)."""
+    if x.ndim == 3:
+        return fn(x.unsqueeze(0)).squeeze(0)
+    samples = x.reshape(-1, *x.shape[-4:])
+    return torch.stack([fn(s) for s in samples]).reshape(x.shape)
+
+
+@dataclass(frozen=True)
+class TEAOp:
+    """One deterministic TEA operation.
+
+    Args:
+        id: the paper's op id (0..83), also the index in :data:`TEA_OPS`.
+        name: unique readable name, e.g. ``"rotate_frontal_acw_5"``.
+        kind: ``identity``, ``scale``, ``rotate``, ``rot90``, ``flip``, ``gamma``, ``inverted_gamma``,
+            ``shift``, ``intensity_scale``, ``contrast``, ``blur``, ``sharpen``, ``noise`` or
+            ``low_resolution``.
+        magnitude: the table's magnitude (degrees for rotations; 180 for the half turn).
+        sign: direction, +1 = scale up / anticlockwise / gamma expansion / add / multiply / contrast
+            up, -1 = scale down / clockwise / compression / subtract / divide / contrast down; +1 for
+            unsigned ops.
+        axis: rotation axis (spatial index, see :mod:`jcsaug.ops.axes`); ``None`` otherwise.
+        flip_axes: spatial axes mirrored by a ``flip`` op.
+    """
+
+    id: int
+    name: str
+    kind: str
+    magnitude: float = 0.0
+    sign: int = 1
+    axis: int | None = None
+    flip_axes: tuple[int, ...] = ()
+
+    @property
+    def is_spatial(self) -> bool:
+        """Whether the op moves voxels (labels and predictions must follow it)."""
+        return self.kind in SPATIAL_KINDS
+
+    # ------------------------------------------------------------------ spatial helpers
+    @property
+    def _spatial_dims(self) -> tuple[int, int]:
+        a, b = rotation_plane(self.axis)
+        return a - 3, b - 3  # negative dims: independent of the number of leading dims
+
+    @property
+    def _quarter_turns(self) -> int:
+        return self.sign * int(round(self.magnitude / 90.0))
+
+    def affine_matrix(self) -> np.ndarray:
+        """The 4x4 output -> input matrix MONAI's ``Affine`` resamples with (scale / small rotations)."""
+        if self.kind == "scale":
+            zoom = (1.0 + self.magnitude) ** self.sign  # content zoom: < 1 shrinks
+            # MONAI's scale_params act on the sampling grid: a factor s > 1 shrinks the content.
+            return np.asarray(create_scale(3, [1.0 / zoom] * 3), dtype=np.float64)
+        if self.kind == "rotate":
+            angles = [0.0, 0.0, 0.0]
+            angles[self.axis] = _MONAI_ANGLE_SIGN[self.axis] * self.sign * math.radians(self.magnitude)
+            return np.asarray(create_rotate(3, angles), dtype=np.float64)
+        raise ValueError(f"TEA op {self.name!r} ({self.kind}) is not an affine resampling")
+
+    def _spatial(self, x: torch.Tensor, *, inverse: bool, mode: str, padding_mode: str) -> torch.Tensor:
+        if self.kind == "flip":
+            return torch.flip(x, dims=[a - 3 for a in self.flip_axes])
+        if self.kind == "rot90":
+            k = -self._quarter_turns if inverse else self._quarter_turns
+            return torch.rot90(x, k, dims=self._spatial_dims)
+        if self.kind in ("scale", "rotate"):
+            matrix = self.affine_matrix()
+            if inverse:
+                matrix = np.linalg.inv(matrix)
+            return _resample(x, matrix, mode, padding_mode)
+        return x
+
+    # ------------------------------------------------------------------ intensity
+    def _intensity(self, sample: torch.Tensor) -> torch.Tensor:
+        """The intensity op on one ``[C, X, Y, Z]`` floating-point sample."""
+        kind, m, sign = self.kind, self.magnitude, self.sign
+        if kind in ("gamma", "inverted_gamma"):
+            gamma = (1.0 + m) ** sign
+            return _plain(AdjustContrast(gamma, invert_image=kind == "inverted_gamma")(sample))
+        if kind == "shift":
+            return sample + sign * m
+        if kind == "intensity_scale":
+            return sample * (1.0 + m) ** sign
+        if kind == "contrast":
+            factor = (1.0 + m) ** sign - 1.0
+            return _plain(ScaleIntensityFixedMean(factor=factor)(sample))
+        if kind == "blur":
+            return _plain(GaussianSmooth(sigma=m)(sample))
+        if kind == "sharpen":
+            return log_sharpen(sample, m)
+        if kind == "noise":
+            gen = torch.Generator(device=sample.device).manual_seed(NOISE_SEED_BASE + self.id)
+            noise = torch.randn(sample.shape, generator=gen, device=sample.device, dtype=sample.dtype)
+            return sample + m * noise
+        if kind == "low_resolution":
+            return _low_resolution(sample, m)
+        raise AssertionError(f"unhandled TEA kind {kind!r}")
+
+    # ------------------------------------------------------------------ public API
+    def transform_image(self, img: torch.Tensor) -> torch.Tensor:
+        """Apply the op to an image ``[..., X, Y, Z]``; returns a plain floating-point tensor."""
+        _check_spatial(img, "image")
+        x = _plain(img)
+        if not x.is_floating_point():
+            x = x.float()
+        if self.kind == "identity":
+            return x
+        if self.is_spatial:
+            return self._spatial(x, inverse=False, mode="bilinear", padding_mode="border")
+        return _per_sample(x, self._intensity).to(x.dtype)  # some MONAI transforms return float32
+
+    def transform_label(self, label: torch.Tensor) -> torch.Tensor:
+        """The spatial part of the op on a label map ``[..., X, Y, Z]`` (nearest neighbour, zero padding).
+
+        Keeps the label values and dtype; identity for intensity ops.
+        """
+        _check_spatial(label, "label")
+        x = _plain(label)
+        if not self.is_spatial:
+            return x
+        out = self._spatial(x, inverse=False, mode="nearest", padding_mode="zeros")
+        return out.round().to(x.dtype) if not x.is_floating_point() else out
+
+    def invert(self, pred: torch.Tensor) -> torch.Tensor:
+        """Map a prediction ``[..., C, X, Y, Z]`` (probabilities or logits) made on the transformed image
+        back to the original grid: exact for mirrors and 90/180-degree rotations, the inverse affine
+        (bilinear, border padding) for scalings and small rotations, identity for intensity ops."""
+        _check_spatial(pred, "prediction")
+        x = _plain(pred)
+        if not self.is_spatial:
+            return x
+        return self._spatial(x, inverse=True, mode="bilinear", padding_mode="border")
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "name": self.name, "kind": self.kind, "magnitude": self.magnitude}
+
+
+def _build_ops() -> tuple[TEAOp, ...]:
+    """The catalogue in the paper's order (the position in the list is the op id)."""
+    ops: list[TEAOp] = []
+
+    def add(name: str, kind: str, magnitude: float = 0.0, **fields) -> None:
+        ops.append(TEAOp(id=len(ops), name=name, kind=kind, magnitude=float(magnitude), **fields))
+
+    add("identity", "identity")
+    for sign, word in ((-1, "down"), (1, "up")):
+        for m in _SCALE_MAGNITUDES:
+            add(f"scale_{word}_{m:g}", "scale", m, sign=sign)
+    for axis in (FRONTAL, SAGITTAL, LONGITUDINAL):
+        axis_name = AXIS_NAMES[axis]
+        for sign, word in ((1, "acw"), (-1, "cw")):
+            for angle in _ANGLES:
+                add(f"rotate_{axis_name}_{word}_{angle:g}", "rotate", angle, sign=sign, axis=axis)
+            add(f"rotate_{axis_name}_{word}_90", "rot90", 90.0, sign=sign, axis=axis)
+            if sign == 1:
+                add(f"rotate_{axis_name}_180", "rot90", 180.0, axis=axis)
+    for name, axis in (("sagittal", SAGITTAL), ("frontal", FRONTAL), ("axial", LONGITUDINAL)):
+        add(f"mirror_{name}", "flip", axis=axis, flip_axes=(axis,))
+    add("mirror_all", "flip", flip_axes=(SAGITTAL, FRONTAL, LONGITUDINAL))
+    for kind in ("gamma", "inverted_gamma"):
+        for sign, word in ((1, "expand"), (-1, "compress")):
+            for g in _GAMMAS:
+                add(f"{kind}_{word}_{g:g}", kind, g, sign=sign)
+    for kind, prefix, (up, down) in (
+        ("shift", "shift", ("add", "sub")),
+        ("intensity_scale", "intensity", ("up", "down")),
+        ("contrast", "contrast", ("up", "down")),
+    ):
+        for sign, word in ((1, up), (-1, down)):
+            for s in _STEPS:
+                add(f"{prefix}_{word}_{s:g}", kind, s, sign=sign)
+    for kind, values in (
+        ("blur", (0.5, 0.7, 0.9)),
+        ("sharpen", (0.9, 0.7, 0.5)),
+        ("noise", (0.025, 0.075, 0.125)),
+        ("low_resolution", (0.9, 0.7, 0.5)),
+    ):
+        for v in values:
+            add(f"{kind}_{v:g}", kind, v)
+    return tuple(ops)
+
+
+#: The 84 TEA ops of SPEC §3; ``TEA_OPS[i].id == i``.
+TEA_OPS: tuple[TEAOp, ...] = _build_ops()
+_BY_NAME = {op.name: op for op in TEA_OPS}
+if len(TEA_OPS) != 84 or len(_BY_NAME) != 84:  # pragma: no cover - a construction bug
+    raise RuntimeError(f"TEA catalogue must have 84 uniquely named ops, built {len(TEA_OPS)}")
+
+
+def get_tea_op(id_or_name: int | str) -> TEAOp:
+    """The TEA op with this paper id (0..83) or name."""
+    if isinstance(id_or_name, str):
+        try:
+            return _BY_NAME[id_or_name]
+        except KeyError:
+            raise KeyError(
+                f"no TEA op named {id_or_name!r} (ids 0..{len(TEA_OPS) - 1}); valid names: {list(_BY_NAME)}"
+            ) from None
+    try:
+        index = operator.index(id_or_name)
+    except TypeError:
+        raise TypeError(f"TEA op must be given by id (int) or name (str), got {id_or_name!r}") from None
+    if not 0 <= index < len(TEA_OPS):
+        raise IndexError(f"TEA op id {index} out of range: valid ids are 0..{len(TEA_OPS) - 1}")
+    return TEA_OPS[index]
+
+
+def tea_catalogue_json() -> list[dict]:
+    """Machine-readable catalogue: ``{"id", "name", "kind", "magnitude"}`` per op, in id order."""
+    return [op.to_json() for op in TEA_OPS]

@@ -1,0 +1,86 @@
+"""The learnable TRA cascade as one MONAI dictionary transform."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from monai.config import KeysCollection
+from monai.data import MetaTensor
+from monai.transforms import MapTransform, Randomizable
+
+from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, sample_tra_params
+from jcsaug.policy.categorical import CategoricalPolicy
+from jcsaug.policy.transforms import DEFAULT_GROUP_KEY, _group_of
+
+DEFAULT_OP_KEY = "tra_ops"
+
+
+def _rewrap(out: torch.Tensor, src: object) -> torch.Tensor:
+    """Give ``out`` the metadata of ``src`` (a copy: the caller's MetaTensor is never touched)."""
+    if isinstance(src, MetaTensor):
+        return MetaTensor(out, meta=dict(src.meta), applied_operations=list(src.applied_operations))
+    return out
+
+
+class TRACascaded(Randomizable, MapTransform):
+    """The 15 TRA series of SPEC §2, one op each, sampled from the class group's policy.
+
+    For every sample: read the class group (``group_key``, from :class:`~jcsaug.policy.ClassGroupd`),
+    draw one op per series from the policy's *current* probabilities, draw the ops' magnitudes, apply
+    them in the reference order (affine -> rot90 -> noise -> blur/sharpen -> shift/scale -> contrast ->
+    low-res -> inverted gamma -> gamma -> mirror), and record the 15 chosen indices under ``op_key``
+    (collates into ``[B, 15]``). Scaling and small rotations are combined into one resampling.
+
+    Images must be channel-first 3D ``[C, X, Y, Z]`` in RAS orientation (see :mod:`jcsaug.ops.axes`).
+    The outputs keep the inputs' metadata (affine unchanged: TRA is training-only and not inverted).
+
+    Args:
+        keys: image keys (spatial and intensity ops).
+        policy: a :class:`CategoricalPolicy` with the 15 TRA series (see :func:`make_tra_policy`).
+        label_keys: label keys (spatial ops only, nearest neighbour; values preserved).
+        group_key: key of the class group; ignored by a 1-group policy.
+        op_key: where the chosen op indices are stored.
+        padding_mode: padding of the affine resampling for images (labels pad with 0).
+    """
+
+    def __init__(
+        self,
+        keys: KeysCollection,
+        policy: CategoricalPolicy,
+        label_keys: KeysCollection = (),
+        group_key: str | None = DEFAULT_GROUP_KEY,
+        op_key: str = DEFAULT_OP_KEY,
+        padding_mode: str = "zeros",
+        allow_missing_keys: bool = False,
+    ) -> None:
+        MapTransform.__init__(self, keys, allow_missing_keys)
+        if policy.series_sizes != tuple(s.size for s in TRA_SERIES):
+            raise ValueError(
+                f"TRACascaded needs a policy over the 15 TRA series (sizes {[s.size for s in TRA_SERIES]}), "
+                f"got sizes {list(policy.series_sizes)}"
+            )
+        self.policy = policy
+        self.label_keys = [label_keys] if isinstance(label_keys, str) else list(label_keys)
+        self.group_key = group_key
+        self.op_key = op_key
+        self.padding_mode = padding_mode
+
+    def randomize(self, data: Mapping) -> tuple[np.ndarray, TRAParams]:
+        choices = self.policy.sample_ops(_group_of(data, self.group_key, self.policy), self.R)
+        return choices, sample_tra_params(choices, self.R)
+
+    def __call__(self, data: Mapping) -> dict:
+        d = dict(data)
+        choices, params = self.randomize(d)
+        images = {k: d[k] for k in self.key_iterator(d)}
+        labels = {k: d[k] for k in self.label_keys if k in d or not self.allow_missing_keys}
+        missing = [k for k in labels if k not in d]
+        if missing:
+            raise KeyError(f"TRACascaded: label key(s) {missing} not in data (keys: {list(d)})")
+        out_images, out_labels = apply_tra(images, labels, params, padding_mode=self.padding_mode)
+        for k, v in {**out_images, **out_labels}.items():
+            d[k] = _rewrap(v, d[k])
+        d[self.op_key] = torch.as_tensor(choices, dtype=torch.long)
+        return d

@@ -1,0 +1,35 @@
+"""Factories: the TRA policy (15 series x class groups) and the TEA policy (84 ops)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from jcsaug.ops.tra import TRA_SERIES
+from jcsaug.policy.categorical import CategoricalPolicy
+from jcsaug.policy.presets import series_probs, tea_probs
+
+
+def make_tra_policy(
+    preset: str | Mapping[str, float | Sequence[float]] = "nnunet", num_groups: int = 2
+) -> CategoricalPolicy:
+    """A TRA policy over the 15 series of SPEC §2, the same initial probabilities for every group."""
+    return CategoricalPolicy(
+        [s.size for s in TRA_SERIES],
+        num_groups=num_groups,
+        init_probs=series_probs(preset, TRA_SERIES),
+        series_names=[s.name for s in TRA_SERIES],
+        op_names=[s.op_names for s in TRA_SERIES],
+    )
+
+
+def make_tea_policy(preset: str | Sequence[float] = "nnunet") -> CategoricalPolicy:
+    """A TEA policy: one series of the 84 ops of SPEC §3, one group (not class-specific)."""
+    from jcsaug.ops.tea import TEA_OPS  # noqa: PLC0415  (TEA catalogue builds MONAI transforms: import on use)
+
+    return CategoricalPolicy(
+        [len(TEA_OPS)],
+        num_groups=1,
+        init_probs=[tea_probs(preset, len(TEA_OPS))],
+        series_names=["tea"],
+        op_names=[[op.name for op in TEA_OPS]],
+    )

@@ -1,0 +1,30 @@
+"""Small synthetic volumes and networks shared by the engine tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from monai.networks.nets import UNet
+
+
+def tiny_unet(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return UNet(3, 1, 2, channels=(4, 8), strides=(2,), num_res_units=0)
+
+
+def lesion_batch(n: int = 4, size: int = 16, seed: int = 0, tra_policy=None) -> dict:
+    """Bright cubes on noise; even samples centred on the lesion (group 1), odd ones on background."""
+    rng = np.random.RandomState(seed)
+    img = torch.as_tensor(rng.randn(n, 1, size, size, size).astype(np.float32)) * 0.5
+    lab = torch.zeros(n, 1, size, size, size)
+    c = size // 2
+    for i in range(n):
+        r = int(rng.randint(2, 4))
+        lo, hi = (c - r, c + r) if i % 2 == 0 else (0, 2 * r)
+        lab[i, 0, lo:hi, lo:hi, lo:hi] = 1
+        img[i, 0, lo:hi, lo:hi, lo:hi] += 2.0
+    batch = {"image": img, "label": lab, "class_group": torch.tensor([1 - i % 2 for i in range(n)])}
+    if tra_policy is not None:
+        groups = batch["class_group"].tolist()
+        batch["tra_ops"] = torch.as_tensor(np.stack([tra_policy.sample_ops(g, rng) for g in groups]))
+    return batch

@@ -1,0 +1,170 @@
+"""CategoricalPolicy, presets and factories."""
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+from monai.utils import set_determinism
+from scipy import stats
+
+from jcsaug.ops.tra import TRA_SERIES
+from jcsaug.policy import (
+    NOT_APPLIED,
+    TRA_PRESETS,
+    CategoricalPolicy,
+    make_tea_policy,
+    make_tra_policy,
+    series_probs,
+)
+from jcsaug.policy.presets import NNUNET_Q, TEA_FLIP_IDS
+
+
+def test_tra_policy_shape_and_nnunet_init():
+    policy = make_tra_policy("nnunet", num_groups=2)
+    assert policy.logits.shape == (2, 62)
+    assert policy.num_series == 15
+    probs = policy.probabilities()
+    for s, series in enumerate(TRA_SERIES):
+        q = NNUNET_Q[series.name]
+        expected = np.r_[1 - q, np.full(series.size - 1, q / (series.size - 1))]
+        np.testing.assert_allclose(probs[s][0].numpy(), expected, rtol=1e-5)
+        np.testing.assert_allclose(probs[s][1].numpy(), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(TRA_PRESETS))
+def test_every_preset_is_a_distribution(name):
+    for p, series in zip(series_probs(name, TRA_SERIES), TRA_SERIES):
+        assert p.shape == (series.size,)
+        assert np.isclose(p.sum(), 1.0)
+
+
+def test_randaugment_puts_mass_on_one_level():
+    s_probs = series_probs("randaugment-s", TRA_SERIES)
+    l_probs = series_probs("randaugment-l", TRA_SERIES)
+    scale = [i for i, s in enumerate(TRA_SERIES) if s.name == "scale"][0]
+    np.testing.assert_allclose(s_probs[scale], [0.8, 0.2, 0, 0, 0, 0])
+    np.testing.assert_allclose(l_probs[scale], [0.8, 0, 0, 0, 0, 0.2])
+    blur = [i for i, s in enumerate(TRA_SERIES) if s.name == "blur_sharpen"][0]
+    # blur [.4,.6) and sharpen [.8,1) are level 0
+    np.testing.assert_allclose(s_probs[blur], [0.8, 0.1, 0, 0, 0.1, 0, 0])
+
+
+def test_user_mapping_preset_and_errors():
+    p = series_probs({"gamma": 0.4, "noise": [0.5, 0.5, 0, 0]}, TRA_SERIES)
+    names = [s.name for s in TRA_SERIES]
+    np.testing.assert_allclose(p[names.index("gamma")], [0.6, 0.4 / 3, 0.4 / 3, 0.4 / 3])
+    np.testing.assert_allclose(p[names.index("noise")], [0.5, 0.5, 0, 0])
+    np.testing.assert_allclose(p[names.index("scale")], [1, 0, 0, 0, 0, 0])  # left out: never applied
+    with pytest.raises(KeyError, match="unknown policy preset 'nnunett'"):
+        make_tra_policy("nnunett")
+    with pytest.raises(KeyError, match="gama"):
+        series_probs({"gama": 0.1}, TRA_SERIES)
+    with pytest.raises(ValueError, match="noise"):
+        series_probs({"noise": [0.5, 0.5]}, TRA_SERIES)
+
+
+def test_tea_policy_init():
+    policy = make_tea_policy("nnunet")
+    assert policy.logits.shape == (1, 84)
+    p = policy.probabilities()[0][0].numpy()
+    np.testing.assert_allclose(p[list(TEA_FLIP_IDS)], 0.1, rtol=1e-5)
+    others = np.delete(p, list(TEA_FLIP_IDS))
+    np.testing.assert_allclose(others, 0.2 / 76, rtol=1e-5)
+    with pytest.raises(KeyError, match="unknown TEA preset"):
+        make_tea_policy("nope")
+
+
+def test_sample_ops_frequencies_match_probabilities():
+    policy = CategoricalPolicy([4, 2], num_groups=2, init_probs=[[0.1, 0.2, 0.3, 0.4], [[0.9, 0.1], [0.2, 0.8]]])
+    rng = np.random.RandomState(0)
+    n = 8000
+    draws = np.stack([policy.sample_ops(1, rng) for _ in range(n)])
+    assert stats.chisquare(np.bincount(draws[:, 0], minlength=4), np.array([0.1, 0.2, 0.3, 0.4]) * n).pvalue > 1e-3
+    assert stats.chisquare(np.bincount(draws[:, 1], minlength=2), np.array([0.2, 0.8]) * n).pvalue > 1e-3
+
+
+def test_same_seed_same_ops():
+    policy = make_tra_policy("uniform")
+
+    def draw():
+        set_determinism(seed=7)
+        rng = np.random.RandomState(np.random.randint(0, 2**31 - 1))
+        return np.stack([policy.sample_ops(i % 2, rng) for i in range(20)])
+
+    np.testing.assert_array_equal(draw(), draw())
+    set_determinism(None)
+
+
+def test_weights_are_one_and_reach_only_the_sample_group():
+    policy = make_tra_policy("nnunet", num_groups=3)
+    rng = np.random.RandomState(0)
+    choices = torch.as_tensor(np.stack([policy.sample_ops(0, rng), policy.sample_ops(0, rng)]))
+    choices[1, 4] = NOT_APPLIED
+    w = policy.weights(choices, torch.tensor([0, 2]), torch.Generator().manual_seed(0))
+    assert torch.equal(w.detach(), torch.ones(2))
+    w[0].backward()
+    assert policy.logits.grad[0].abs().sum() > 0
+    assert policy.logits.grad[1:].abs().sum() == 0
+
+
+def test_not_applied_series_has_no_gradient():
+    policy = CategoricalPolicy([3, 3])
+    w = policy.series_weights(torch.tensor([[NOT_APPLIED, 1]]))
+    w.sum().backward()
+    assert policy.logits.grad[0, :3].abs().sum() == 0
+    assert policy.logits.grad[0, 3:].abs().sum() > 0
+
+
+def test_bad_shapes_and_groups():
+    policy = make_tra_policy("nnunet", num_groups=2)
+    with pytest.raises(ValueError, match=r"choices must be \[batch, 15\]"):
+        policy.weights(torch.zeros(2, 14, dtype=torch.long), torch.zeros(2))
+    with pytest.raises(ValueError, match="out of range"):
+        policy.weights(torch.zeros(2, 15, dtype=torch.long), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="class group 5 out of range"):
+        policy.sample_ops(5, np.random.RandomState(0))
+    with pytest.raises(ValueError, match=r"logits of shape \(1, 62\) do not match"):
+        policy.load_state_dict({"logits": torch.zeros(1, 62)})
+    with pytest.raises(ValueError, match="expected probabilities for 2 series"):
+        CategoricalPolicy([2, 3], init_probs=[[0.5, 0.5]])
+    with pytest.raises(ValueError, match="series_sizes"):
+        CategoricalPolicy([])
+
+
+def test_state_dict_is_tensors_only_and_round_trips(tmp_path):
+    policy = make_tra_policy("deepmedic")
+    with torch.no_grad():
+        policy.logits.add_(torch.randn_like(policy.logits))
+    path = tmp_path / "p.pt"
+    torch.save(policy.state_dict(), path)
+    other = make_tra_policy("nnunet")
+    other.load_state_dict(torch.load(path, weights_only=True))
+    assert torch.equal(other.logits, policy.logits)
+    assert other.logits.is_shared()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_update_in_main_process_is_seen_by_workers(method):
+    policy = CategoricalPolicy([3])
+    assert policy.logits.is_shared()
+    ctx = mp.get_context(method)
+    to_child, to_parent = ctx.Queue(), ctx.Queue()
+    # the policy reaches the worker first (as a Dataset's transform does), then the main process updates it
+    proc = ctx.Process(target=_reader, args=(policy, to_child, to_parent))
+    proc.start()
+    assert to_parent.get(timeout=120) == "ready"
+    opt = torch.optim.SGD(policy.parameters(), lr=10.0)
+    (-policy.logits[0, 2]).backward()
+    opt.step()
+    to_child.put("updated")
+    seen = to_parent.get(timeout=120)
+    proc.join(timeout=60)
+    np.testing.assert_allclose(seen, policy.probabilities()[0][0].numpy(), rtol=1e-6)
+    assert seen[2] > 0.9
+
+
+def _reader(policy, to_child, to_parent):
+    to_parent.put("ready")
+    assert to_child.get(timeout=120) == "updated"
+    to_parent.put(policy.probabilities()[0][0].tolist())

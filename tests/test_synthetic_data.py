@@ -1,0 +1,188 @@
+"""The synthetic dataset of the default bundle: files, datalist, determinism, lesion sizes, domain shift."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+from monai.data import load_decathlon_datalist
+from monai.transforms import LoadImaged
+from scipy import ndimage
+
+from jcsaug.data import make_synthetic_dataset
+from jcsaug.data.synthetic import SPLITS, synthesize_case
+
+SHAPE = (32, 32, 32)
+COUNTS = {"num_train": 4, "num_val": 2, "num_test": 3}
+
+
+def _load(root: Path, rel: str) -> np.ndarray:
+    return np.asanyarray(nib.load(str(root / rel)).dataobj)
+
+
+def _all_cases(json_path: Path) -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    root = json_path.parent
+    meta = json.loads(json_path.read_text())
+    return {s: [(_load(root, e["image"]), _load(root, e["label"])) for e in meta[s]] for s in SPLITS}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_synthetic_dataset(tmp_path_factory.mktemp("syn"), shape=SHAPE, seed=3, progress=False, **COUNTS)
+
+
+def test_files_and_datalist_load_with_monai(dataset: Path) -> None:
+    root = dataset.parent
+    meta = json.loads(dataset.read_text())
+    assert meta["labels"] == {"0": "background", "1": "lesion"}
+    assert meta["seed"] == 3 and meta["shape"] == list(SHAPE)
+    assert meta["domain"] == {"training": "source", "validation": "target", "test": "target"}
+    assert [len(meta[s]) for s in SPLITS] == [4, 2, 3]
+    names = [Path(e["image"]).name for s in SPLITS for e in meta[s]]
+    assert len(set(names)) == len(names) == 9
+    loader = LoadImaged(["image", "label"], ensure_channel_first=True, image_only=True)
+    for split, (img_dir, lbl_dir, _) in SPLITS.items():
+        items = load_decathlon_datalist(str(dataset), True, split, str(root))
+        assert len(items) == len(meta[split])
+        for item in items:
+            assert Path(item["image"]).parent.name == img_dir and Path(item["label"]).parent.name == lbl_dir
+            d = loader(item)
+            assert tuple(d["image"].shape) == (1, *SHAPE) and tuple(d["label"].shape) == (1, *SHAPE)
+            np.testing.assert_allclose(np.asarray(d["image"].affine), np.eye(4))
+    img = nib.load(str(root / meta["training"][0]["image"]))
+    lbl = nib.load(str(root / meta["training"][0]["label"]))
+    assert img.get_data_dtype() == np.float32 and lbl.get_data_dtype() == np.uint8
+    assert nib.aff2axcodes(img.affine) == ("R", "A", "S")
+
+
+def test_labels_binary_foreground_and_intensity_scale(dataset: Path) -> None:
+    for cases in _all_cases(dataset).values():
+        for image, label in cases:
+            assert set(np.unique(label).tolist()) == {0, 1}
+            assert 0.01 <= label.mean() <= 0.03
+            assert abs(float(image.mean())) < 1e-3 and abs(float(image.std()) - 1.0) < 1e-3
+            assert 2 <= ndimage.label(label)[1] <= 6
+
+
+def test_default_shape_foreground_fraction(tmp_path: Path) -> None:
+    path = make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, progress=False)
+    for cases in _all_cases(path).values():
+        for image, label in cases:
+            assert image.shape == (48, 48, 48)
+            assert 0.01 <= label.mean() <= 0.03
+
+
+def test_deterministic_by_seed(dataset: Path, tmp_path: Path) -> None:
+    again = make_synthetic_dataset(tmp_path / "a", shape=SHAPE, seed=3, progress=False, **COUNTS)
+    other = make_synthetic_dataset(tmp_path / "b", shape=SHAPE, seed=4, progress=False, **COUNTS)
+    first, second, third = _all_cases(dataset), _all_cases(again), _all_cases(other)
+    for split in SPLITS:
+        for (i1, l1), (i2, l2), (i3, l3) in zip(first[split], second[split], third[split]):
+            assert i1.tobytes() == i2.tobytes() and l1.tobytes() == l2.tobytes()
+            assert not np.array_equal(i1, i3) and not np.array_equal(l1, l3)
+    # the gzip files carry no timestamp: same seed, same bytes
+    meta = json.loads(dataset.read_text())
+    rel = meta["test"][0]["image"]
+    assert (dataset.parent / rel).read_bytes() == (again.parent / rel).read_bytes()
+
+
+def test_case_does_not_depend_on_other_counts(dataset: Path, tmp_path: Path) -> None:
+    small = make_synthetic_dataset(tmp_path, num_train=2, num_val=1, num_test=1, shape=SHAPE, seed=3, progress=False)
+    big, little = _all_cases(dataset), _all_cases(small)
+    assert np.array_equal(big["training"][1][0], little["training"][1][0])
+    assert np.array_equal(big["validation"][0][1], little["validation"][0][1])
+
+
+def _orientation(label: np.ndarray) -> float:
+    """Mean over lesions of log(variance along axis 0 / variance along axis 2)."""
+    comps, n = ndimage.label(label)
+    ratios = []
+    for k in range(1, n + 1):
+        var = np.argwhere(comps == k).var(axis=0)
+        ratios.append(np.log(var[0] / var[2]))
+    return float(np.mean(ratios))
+
+
+def _skewness(image: np.ndarray) -> float:
+    x = image.astype(np.float64)
+    return float(((x - x.mean()) ** 3).mean() / x.std() ** 3)
+
+
+def test_target_domain_differs_from_source(tmp_path: Path) -> None:
+    rng = np.random.default_rng(11)
+    source = [synthesize_case(rng, SHAPE, "source") for _ in range(6)]
+    target = [synthesize_case(rng, SHAPE, "target") for _ in range(6)]
+    # lesions are elongated along array axis 0 in the source domain, along axis 2 in the target domain
+    assert all(_orientation(lbl) > 0.5 for _, lbl in source)
+    assert all(_orientation(lbl) < -0.5 for _, lbl in target)
+    # mirrored placement along axis 0
+    centre = (SHAPE[0] - 1) / 2
+    assert np.mean([np.argwhere(lbl)[:, 0].mean() for _, lbl in source]) < centre
+    assert np.mean([np.argwhere(lbl)[:, 0].mean() for _, lbl in target]) > centre
+    # gamma > 1 on the rescaled image skews the intensity distribution to the right
+    assert np.mean([_skewness(img) for img, _ in target]) > np.mean([_skewness(img) for img, _ in source]) + 0.2
+
+
+def test_existing_dataset_is_not_rewritten(tmp_path: Path) -> None:
+    path = make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False)
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    old = {p: _load(tmp_path, str(p.relative_to(tmp_path))) for p in files if "nii" in p.name}
+    past = 1_000_000_000
+    for p in files:
+        os.utime(p, ns=(past, past))
+    assert make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False) == path
+    assert all(p.stat().st_mtime_ns == past for p in files)
+    with pytest.warns(UserWarning, match="overwrite=True"):
+        make_synthetic_dataset(tmp_path, num_train=2, num_val=1, num_test=1, shape=SHAPE, progress=False)
+    assert all(p.stat().st_mtime_ns == past for p in files)
+    # overwrite regenerates and drops stale cases of the split folders
+    stale = tmp_path / "imagesTr" / "case_099.nii.gz"
+    stale.write_bytes(b"stale")
+    make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, overwrite=True, progress=False)
+    assert all(p.stat().st_mtime_ns != past for p in files)
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == files
+    assert all(np.array_equal(_load(tmp_path, str(p.relative_to(tmp_path))), old[p]) for p in files if "nii" in p.name)
+
+
+def test_interrupted_generation_is_redone(tmp_path: Path) -> None:
+    path = make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False)
+    label_file = tmp_path / json.loads(path.read_text())["training"][0]["label"]
+    path.unlink()  # as if generation had stopped before writing the datalist
+    label_file.unlink()
+    assert make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False) == path
+    assert path.is_file() and label_file.is_file()
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "shown"),
+    [
+        ({"num_train": 0}, "0"),
+        ({"num_val": -2}, "-2"),
+        ({"num_test": 1.5}, "1.5"),
+        ({"shape": (32, 32)}, "(32, 32)"),
+        ({"shape": (32, 32, 32, 32)}, "(32, 32, 32, 32)"),
+        ({"shape": (32, 8, 32)}, "(32, 8, 32)"),
+        ({"seed": -1}, "-1"),
+    ],
+)
+def test_bad_arguments(tmp_path: Path, kwargs: dict, shown: str) -> None:
+    with pytest.raises(ValueError, match=shown.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        make_synthetic_dataset(tmp_path, progress=False, **kwargs)
+    assert not (tmp_path / "dataset.json").exists()
+
+
+def test_out_dir_is_a_file(tmp_path: Path) -> None:
+    target = tmp_path / "not_a_dir"
+    target.write_text("x")
+    with pytest.raises(NotADirectoryError, match="not_a_dir"):
+        make_synthetic_dataset(target, progress=False)
+
+
+def test_unknown_domain() -> None:
+    with pytest.raises(ValueError, match="'other'"):
+        synthesize_case(np.random.default_rng(0), SHAPE, "other")
