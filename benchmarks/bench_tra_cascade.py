@@ -3,7 +3,9 @@
 Command (from the repository root; about 1.5 min on 2 cores)::
 
     python benchmarks/bench_tra_cascade.py
-    # defaults: --sizes 64 128 --samples 30 10 --repeats 6 --warmup 3 --threads 1 --clock cpu --seed 0
+    # defaults: --sizes 64 128 --samples 30 10 --repeats 6 --warmup 3 --threads 1 --clock cpu
+    #           --malloc default --seed 0
+    python benchmarks/bench_tra_cascade.py --malloc keep   # steadier: large buffers reused, no page faults
 
 For single-channel float32 patches of 64³ and 128³ (MetaTensors with an identity affine, as
 ``LoadImaged`` gives them, and a float label with a few foreground blobs, so both class groups occur),
@@ -11,7 +13,10 @@ one process measures, after a warm-up, the per-sample time of three pipelines in
 sample (call order rotated), the whole set repeated ``--repeats`` times: per-sample time = median over
 the repeats, averaged over the samples. The default clock is this process's CPU time
 (``time.process_time``), which other processes' load on a shared machine does not inflate and which
-equals latency with one thread; ``--clock wall`` uses ``time.perf_counter``.
+equals latency with one thread; ``--clock wall`` uses ``time.perf_counter``. With glibc's default
+``malloc``, 64³-128³ temporaries are mmapped and page-faulted anew on every call (system time, varying
+with the machine's memory state, as in a DataLoader worker); ``--malloc keep`` reuses them instead and
+measures the compute alone, with much less spread.
 
 (a) ``Compose([ClassGroupd("label"), TRACascaded("image", make_tra_policy("nnunet", 2), label_keys="label")])``
     divided by a plain MONAI ``Compose`` of nnU-Net's default augmentation with nnU-Net's probabilities
@@ -33,6 +38,7 @@ The targets live here, never in timed tests.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import platform
 import statistics
@@ -69,6 +75,22 @@ TARGET_A = 1.0
 TARGET_B = 1.05
 TARGET_C = 1
 KEYS = ("image", "label")
+
+
+def keep_freed_memory() -> str:
+    """Make glibc malloc reuse large freed buffers instead of unmapping them (and page-faulting them back).
+
+    By default glibc serves allocations above a dynamic threshold (at most 32 MiB) with ``mmap`` and returns
+    them on ``free``: a 64³-128³ pipeline then page-faults its large temporaries on every call, which
+    costs a lot of system CPU time and varies with the machine's memory state.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return "unavailable (not glibc)"
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
+    return "keep (mmap/trim thresholds 1 GiB)" if ok else "mallopt refused"
 
 
 # --------------------------------------------------------------------------- data
@@ -344,6 +366,11 @@ def main(argv: list[str] | None = None) -> None:
         help="cpu: CPU time of this process (time.process_time; robust to other load on a shared machine, "
         "equal to latency with --threads 1); wall: time.perf_counter",
     )  # fmt: skip
+    parser.add_argument(
+        "--malloc", choices=["default", "keep"], default="default",
+        help="default: glibc's behaviour, as in a DataLoader worker; keep: reuse large freed buffers "
+        "(no page faults on every call: steadier numbers, the compute cost alone)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -356,12 +383,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         parser.error("--samples takes one value or one per size")
 
+    malloc = keep_freed_memory() if args.malloc == "keep" else "glibc default"
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     print(
         f"torch {torch.__version__}, MONAI {monai.__version__}, {platform.processor() or platform.machine()}, "
         f"threads={torch.get_num_threads()}, clock={args.clock}, seed={args.seed}, repeats={args.repeats}, "
-        f"warm-up={args.warmup}"
+        f"warm-up={args.warmup}, malloc={malloc}"
     )
     if args.clock == "cpu" and args.threads > 1:
         print("note: with --threads > 1 the cpu clock sums the threads' CPU time (work, not latency)")

@@ -118,11 +118,27 @@ def test_spec_table_spot_checks(op_id: int, kind: str, magnitude: float, extra: 
 
 def test_readable_names() -> None:
     names = [op.name for op in TEA_OPS]
-    for name in ("identity", "scale_down_0.05", "rotate_frontal_acw_5", "rotate_frontal_acw_90",
-                 "rotate_frontal_180", "mirror_sagittal", "mirror_all", "gamma_expand_0.1",
-                 "inverted_gamma_compress_0.5", "shift_add_0.05", "shift_sub_0.05", "intensity_up_0.05",
-                 "intensity_down_0.05", "contrast_up_0.05", "contrast_down_0.05", "blur_0.5", "sharpen_0.9",
-                 "noise_0.025", "low_resolution_0.9"):
+    for name in (
+        "identity",
+        "scale_down_0.05",
+        "rotate_frontal_acw_5",
+        "rotate_frontal_acw_90",
+        "rotate_frontal_180",
+        "mirror_sagittal",
+        "mirror_all",
+        "gamma_expand_0.1",
+        "inverted_gamma_compress_0.5",
+        "shift_add_0.05",
+        "shift_sub_0.05",
+        "intensity_up_0.05",
+        "intensity_down_0.05",
+        "contrast_up_0.05",
+        "contrast_down_0.05",
+        "blur_0.5",
+        "sharpen_0.9",
+        "noise_0.025",
+        "low_resolution_0.9",
+    ):
         assert name in names
     assert get_tea_op("rotate_frontal_180").id == 15
     assert get_tea_op(83).name == "low_resolution_0.5"
@@ -168,8 +184,10 @@ def test_quarter_and_half_turns_match_torch_rot90(axis: int) -> None:
     assert torch.equal(get_tea_op(f"rotate_{name}_180").transform_image(x), torch.rot90(x, 2, dims))
 
 
-@pytest.mark.parametrize(("name", "dims"), [("mirror_sagittal", [1]), ("mirror_frontal", [2]),
-                                            ("mirror_axial", [3]), ("mirror_all", [1, 2, 3])])
+@pytest.mark.parametrize(
+    ("name", "dims"),
+    [("mirror_sagittal", [1]), ("mirror_frontal", [2]), ("mirror_axial", [3]), ("mirror_all", [1, 2, 3])],
+)
 def test_mirrors_flip_the_named_axes(name: str, dims: list[int]) -> None:
     x = torch.rand(2, 6, 7, 8, generator=torch.Generator().manual_seed(2))
     assert torch.equal(get_tea_op(name).transform_image(x), torch.flip(x, dims))

@@ -114,9 +114,9 @@ def test_spatial_ops_keep_label_values_and_resample_once(monkeypatch):
     calls = []
     real = tra._affine_resample
 
-    def counting(img, params, mode, padding_mode):
+    def counting(img, params, mode, padding_mode, grid=None):
         calls.append(mode)
-        return real(img, params, mode, padding_mode)
+        return real(img, params, mode, padding_mode, grid)
 
     monkeypatch.setattr(tra, "_affine_resample", counting)
     img = torch.rand(1, 20, 20, 20)
@@ -144,3 +144,18 @@ def test_wrong_number_of_choices():
         sample_tra_params([0] * 14, np.random.RandomState(0))
     with pytest.raises(IndexError, match="series 'scale' has 6 choices"):
         sample_tra_params([9] + [0] * 14, np.random.RandomState(0))
+
+
+def test_single_grid_resampling_equals_monai_affine():
+    from monai.transforms import Affine
+
+    torch.manual_seed(0)
+    img = torch.rand(2, 12, 10, 14)
+    lab = (torch.rand(1, 12, 10, 14) * 3).floor()
+    p = TRAParams(scale=1.3, angles=[0.2, -0.1, 0.35])
+    oi, ol = apply_tra({"image": img}, {"label": lab}, p)
+    for x, out, mode in ((img, oi["image"], "bilinear"), (lab, ol["label"], "nearest")):
+        ref = Affine(
+            rotate_params=p.angles, scale_params=[p.scale] * 3, mode=mode, padding_mode="zeros", image_only=True
+        )(x)
+        torch.testing.assert_close(out, ref.as_tensor(), atol=1e-5, rtol=1e-5)

@@ -136,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command][1](args)
+    try:
+        return COMMANDS[args.command][1](args)
+    except BrokenPipeError:  # e.g. `jcsaug ops --tea | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Ignite handlers that learn TRA and TEA policies during training, and the maths behind them."""
 
+from jcsaug.engine.checkpoints import latest_checkpoint
 from jcsaug.engine.export import PolicyExporter
 from jcsaug.engine.hypergradient import (
     finite_difference_hypergradient,
@@ -22,5 +23,6 @@ __all__ = [
     "finite_difference_hypergradient",
     "get_loss",
     "jvp_hypergradient",
+    "latest_checkpoint",
     "normalise_hypergradient",
 ]

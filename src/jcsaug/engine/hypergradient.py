@@ -20,6 +20,11 @@ from torch.func import functional_call, jvp
 from jcsaug.engine.losses import PerSampleLoss, main_output
 
 
+def flat_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Euclidean norm of a set of tensors taken as one vector (float64)."""
+    return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values()))
+
+
 def _losses_at(
     model: nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -45,8 +50,7 @@ def finite_difference_hypergradient(
 
     ``L_train = (1/n) sum_i w_i l_i`` so ``dL_train/dw_i = l_i / n``. Returns ``[n]`` (float64).
     """
-    norm = torch.sqrt(sum((t.double() ** 2).sum() for t in v.values()))
-    eps = r / norm
+    eps = r / flat_norm(v)
     buffers = dict(model.named_buffers())
     with torch.no_grad():
         plus = {k: theta[k] + eps * v[k] for k in theta}
@@ -101,7 +105,3 @@ def normalise_hypergradient(g: torch.Tensor, groups: torch.Tensor, choices: torc
     same_op = choices[:, None, :] == choices[None, :, :]  # [B, B, L]
     counts = (same_group[:, :, None] & same_op).sum(1)  # [B, L], >= 1 (the sample itself)
     return h[:, None] / counts.double()
-
-
-def flat_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values()))

@@ -1,5 +1,6 @@
 """Test-time augmentation inferers."""
 
+from jcsaug.inference.predict import predict_cases
 from jcsaug.inference.tta import TTA_INFERERS, MirrorTTAInferer, NoTTAInferer, TEAInferer, load_tea_policy
 
-__all__ = ["TTA_INFERERS", "MirrorTTAInferer", "NoTTAInferer", "TEAInferer", "load_tea_policy"]
+__all__ = ["TTA_INFERERS", "MirrorTTAInferer", "NoTTAInferer", "TEAInferer", "load_tea_policy", "predict_cases"]

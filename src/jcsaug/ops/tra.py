@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from monai.transforms import (
     AdjustContrast,
-    Affine,
+    AffineGrid,
     GaussianSmooth,
     ScaleIntensityFixedMean,
     ShiftIntensity,
@@ -215,27 +215,49 @@ def _check_3d(img: torch.Tensor, key: str) -> None:
         )
 
 
-def _affine_resample(img: torch.Tensor, params: TRAParams, mode: str, padding_mode: str) -> torch.Tensor:
-    """The single resampling of a sample: scaling and small rotations as one MONAI ``Affine``."""
-    affine = Affine(
-        rotate_params=list(params.angles),
-        scale_params=[params.scale] * 3,
-        mode=mode,
-        padding_mode=padding_mode,
-        image_only=True,
+def affine_grid(params: TRAParams, spatial_size: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
+    """The sample's one affine (scaling + small rotations about the centre) as a ``grid_sample`` grid.
+
+    Built once per sample with MONAI's ``AffineGrid`` and normalised as MONAI's ``Resample`` does, so
+    every image and label key of the sample reuses it (MONAI's ``Affine`` rebuilds it per call).
+    """
+    grid, _ = AffineGrid(rotate_params=list(params.angles), scale_params=[params.scale] * 3, device=device)(
+        spatial_size=list(spatial_size)
     )
-    out = affine(img)
-    return out.as_tensor() if hasattr(out, "as_tensor") else out
+    grid = torch.as_tensor(grid, dtype=torch.float32)
+    grid = torch.movedim(grid[[2, 1, 0]], 0, -1).unsqueeze(0).contiguous()  # [1, X, Y, Z, (z, y, x)]
+    for i, dim in enumerate(reversed(list(spatial_size))):
+        grid[..., i] *= 2.0 / max(2, dim)
+    return grid
+
+
+def _affine_resample(
+    img: torch.Tensor, params: TRAParams, mode: str, padding_mode: str, grid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The single resampling of a sample (bilinear for images, nearest for labels)."""
+    if grid is None:
+        grid = affine_grid(params, img.shape[1:], img.device)
+    out = torch.nn.functional.grid_sample(
+        img.unsqueeze(0), grid.to(img.device), mode=mode, padding_mode=padding_mode, align_corners=False
+    )
+    return out[0]
 
 
 def _as_plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_tensor() if hasattr(x, "as_tensor") else x
 
 
-def apply_spatial(img: torch.Tensor, params: TRAParams, *, is_label: bool, padding_mode: str = "zeros") -> torch.Tensor:
+def apply_spatial(
+    img: torch.Tensor,
+    params: TRAParams,
+    *,
+    is_label: bool,
+    padding_mode: str = "zeros",
+    grid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Spatial part of the cascade: affine (one resampling) -> 90-degree rotations -> (later) mirrors."""
     if params.needs_affine:
-        img = _affine_resample(img, params, "nearest" if is_label else "bilinear", padding_mode)
+        img = _affine_resample(img, params, "nearest" if is_label else "bilinear", padding_mode, grid)
     for axis, k in params.rot90:
         a, b = rotation_plane(axis)
         img = torch.rot90(img, k, dims=(a + 1, b + 1))
@@ -293,16 +315,28 @@ def apply_tra(
     returns plain tensors.
     """
     out_images, out_labels = {}, {}
+    grids: dict[tuple, torch.Tensor] = {}  # one grid per spatial shape (normally one per sample)
+
+    def grid_for(x: torch.Tensor) -> torch.Tensor | None:
+        if not params.needs_affine:
+            return None
+        shape = tuple(x.shape[1:])
+        if shape not in grids:
+            grids[shape] = affine_grid(params, shape, x.device)
+        return grids[shape]
+
     for key, img in images.items():
         _check_3d(img, key)
-        x = apply_spatial(_as_plain(img).float(), params, is_label=False, padding_mode=padding_mode)
+        x = _as_plain(img).float()
+        x = apply_spatial(x, params, is_label=False, padding_mode=padding_mode, grid=grid_for(x))
         x = apply_intensity(x, params)
         out_images[key] = apply_flips(x, params)
     for key, lab in labels.items():
         _check_3d(lab, key)
         x = _as_plain(lab)
         dtype = x.dtype
-        x = apply_spatial(x.float(), params, is_label=True, padding_mode="zeros")
+        x = x.float()
+        x = apply_spatial(x, params, is_label=True, padding_mode="zeros", grid=grid_for(x))
         out_labels[key] = apply_flips(x, params).to(dtype)
     return out_images, out_labels
 

@@ -20,7 +20,12 @@ DEFAULT_OP_KEY = "tra_ops"
 def _rewrap(out: torch.Tensor, src: object) -> torch.Tensor:
     """Give ``out`` the metadata of ``src`` (a copy: the caller's MetaTensor is never touched)."""
     if isinstance(src, MetaTensor):
-        return MetaTensor(out, meta=dict(src.meta), applied_operations=list(src.applied_operations))
+        # as_subclass + attribute copies: ~10x cheaper than the MetaTensor constructor, same result
+        wrapped = out.as_subclass(MetaTensor)
+        wrapped.meta = dict(src.meta)
+        wrapped.applied_operations = list(src.applied_operations)
+        wrapped.is_batch = src.is_batch
+        return wrapped
     return out
 
 

@@ -119,14 +119,23 @@ class CategoricalPolicy(nn.Module):
         """
         if not 0 <= int(group) < self.num_groups:
             raise ValueError(f"class group {group} out of range for a policy with {self.num_groups} group(s)")
-        logits = self.logits.detach()[int(group)].double().numpy()
-        choices = np.empty(self.num_series, dtype=np.int64)
-        for s in range(self.num_series):
-            lo, hi = self.offsets[s], self.offsets[s + 1]
-            z = logits[lo:hi]
-            cdf = np.cumsum(np.exp(z - z.max()))
-            choices[s] = min(int(np.searchsorted(cdf, rng.random_sample() * cdf[-1], side="right")), hi - lo - 1)
-        return choices
+        idx, valid, sizes = self._padded_index()
+        z = np.where(valid, self.logits.detach()[int(group)].double().numpy()[idx], -np.inf)
+        cdf = np.cumsum(np.exp(z - z.max(axis=1, keepdims=True)), axis=1)  # [L, max_n], all series at once
+        u = rng.random_sample(len(sizes)) * cdf[np.arange(len(sizes)), sizes - 1]
+        cdf[~valid] = np.inf
+        return np.minimum((cdf <= u[:, None]).sum(axis=1), sizes - 1).astype(np.int64)
+
+    def _padded_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``[L, max_n]`` indices into the flat logits, their validity mask, and the series sizes."""
+        cache = self.__dict__.get("_padded_index_cache")
+        if cache is None:
+            offsets, sizes = np.asarray(self.offsets[:-1]), np.asarray(self.series_sizes)
+            columns = np.arange(sizes.max())
+            valid = columns[None, :] < sizes[:, None]
+            cache = (np.where(valid, offsets[:, None] + columns[None, :], 0), valid, sizes)
+            self.__dict__["_padded_index_cache"] = cache
+        return cache
 
     # ------------------------------------------------------------------ differentiable weights
     def _check_batch(self, choices: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

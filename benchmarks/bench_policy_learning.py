@@ -1,0 +1,454 @@
+"""Cost of learning the policies (SPEC §4-5, DESIGN "Cost of a policy update"), measured as ratios on the CPU.
+
+Command (from the repository root; about 4-5 min on 2 cores with the defaults)::
+
+    python benchmarks/bench_policy_learning.py
+    # defaults: --iterations 30 --batch 8 --patch 32 --copies 4 --threads <torch default> --seed 0
+
+Setting: the default bundle's network (MONAI ``UNet`` channels [16, 32, 64], strides [2, 2],
+``num_res_units=1``, instance norm), SGD lr 0.01 momentum 0.99 Nesterov, ``DiceCELoss``; training
+batches of ``--batch`` patches of ``--patch``³ and validation batches of as many patches; Z = ``--copies``
+TEA copies of one patch. The batches are synthetic (noise plus bright spherical lesions, labels 0/1,
+half of the training patches centred on a lesion so both class groups occur, ``tra_ops`` drawn with
+``make_tra_policy("nnunet", 2).sample_ops``), precomputed in memory: no DataLoader, data loading is
+excluded. Every configuration runs an Ignite ``Engine`` whose step is a plain supervised step
+(forward, ``DiceCELoss``, backward, SGD step) on the *same* batches:
+
+* ``plain``: a fixed heuristic policy, no handler attached;
+* ``joint N=1`` / ``joint N=10``: the handlers of ``AugmentationSetup("class-specific", "joint")``
+  (``TRAPolicyUpdater`` with the TEA policy + ``TEAPolicyUpdater``, the bundle's policy lrs, val loss
+  ``dice``, finite-difference hypergradient), both updating every 1 / every 10 iterations.
+
+What is printed:
+
+1. seconds per iteration of each configuration and their ratios to ``plain``. Iterations run in blocks
+   of 10 (one ``Engine.run`` each, model and SGD state reset to the same start before every block,
+   untimed); the configurations' blocks alternate round by round (order rotated), one warm-up round
+   first; per-iteration time = median over the blocks of block time / 10. Clock: ``time.perf_counter``.
+2. the ratio implied by the extra passes alone. ``F_train`` (forward, no grad) and ``FB_train``
+   (forward + DiceCE + backward) on one training batch and ``F_tea`` (one no-grad forward of Z+1
+   copies of one patch) are timed directly, interleaved, medians; with ``FB_val = FB_train`` (m = n):
+   ``bound(1) = (FB_train + FB_val + 2 F_train + F_tea) / FB_train`` and
+   ``bound(10) = (10 FB_train + FB_val + 2 F_train + F_tea) / (10 FB_train)``.
+   Target: measured ratio within 10 % of the bound (``measured / bound <= 1.10``).
+3. where the time of one joint N=1 iteration goes (a separate, untimed pass with timers patched
+   around ``TRAPolicyUpdater._snapshot`` / ``_validation_gradient``, ``tra_updater.tea_transform_batch``,
+   the ``HYPERGRADIENTS["finite-difference"]`` entry, ``TEAPolicyUpdater.update``,
+   ``tea_updater.predict_by_shape``, ``CategoricalPolicy.series_weights``, ``PolicyUpdater.step`` and
+   ``PolicyUpdater._log_changes``), per iteration.
+4. peak memory: each of ``plain`` and ``joint N=1`` runs again in a fresh subprocess (this script with
+   the hidden ``--config`` flag: same setup, one warm-up block + one block); ``ru_maxrss`` at the end is
+   the peak resident set. Target: joint / plain <= 1.3. The increase of the peak over the RSS after
+   set-up (imports, model, data: shared by both) is printed too, for information: it isolates what
+   training itself allocates, the closer analogue of a GPU's peak allocated memory.
+
+The targets live here, never in timed tests. Compare numbers only from the same machine, same ``--threads``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+
+import monai
+import numpy as np
+import torch
+from ignite.engine import Engine
+from monai.losses import DiceCELoss
+from monai.networks.nets import UNet
+
+import jcsaug.engine.tea_updater as tea_mod
+import jcsaug.engine.tra_updater as tra_mod
+from jcsaug.engine import AugmentationSetup
+from jcsaug.engine.base import PolicyUpdater
+from jcsaug.engine.losses import get_loss
+from jcsaug.policy import CategoricalPolicy, make_tra_policy
+
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+clock = time.process_time  # set from --clock in main()
+BLOCK = 10  # iterations per timed block (= the larger update period, so every N=10 block holds one update)
+TRA_LR, TEA_LR = 0.02, 0.01  # bundles/synthetic_lesion/configs/train.yaml
+CONFIGS = {"plain": None, "joint N=1": 1, "joint N=10": 10}
+TARGET_BOUND, TARGET_MEMORY = 1.10, 1.30
+
+
+# ---------------------------------------------------------------------------------------------- data
+def _patch(rng: np.random.RandomState, p: int, centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ``[1, p, p, p]`` image and label: noise plus 1-3 bright spheres (one at the centre if ``centred``)."""
+    grid = np.stack(np.meshgrid(*[np.arange(p)] * 3, indexing="ij"), -1).astype(np.float32)
+    label = np.zeros((p, p, p), np.float32)
+    centres = [np.full(3, p // 2)] if centred else []
+    while len(centres) < rng.randint(1, 4) or not centres:
+        c = rng.randint(p // 8, p - p // 8, size=3)
+        if centred or np.abs(c - p // 2).max() > p // 4:  # background patches keep their centre voxel free
+            centres.append(c)
+    for c in centres:
+        label[((grid - c) ** 2).sum(-1) <= rng.uniform(p / 10, p / 5) ** 2] = 1.0
+    if not centred:
+        label[p // 2, p // 2, p // 2] = 0.0
+    image = rng.normal(0.0, 1.0, (p, p, p)).astype(np.float32) + 2.0 * label
+    return torch.from_numpy(image)[None], torch.from_numpy(label)[None]
+
+
+def make_batches(num: int, batch: int, p: int, seed: int, policy: CategoricalPolicy | None) -> list[dict]:
+    """``num`` dictionary batches; half the patches lesion-centred (class group 1), half not (group 0)."""
+    rng = np.random.RandomState(seed)
+    out = []
+    for _ in range(num):
+        groups = [i % 2 for i in range(batch)]
+        pairs = [_patch(rng, p, bool(g)) for g in groups]
+        b = {
+            "image": torch.stack([x for x, _ in pairs]),
+            "label": torch.stack([y for _, y in pairs]),
+            "class_group": torch.tensor(groups, dtype=torch.long),
+        }
+        if policy is not None:
+            b["tra_ops"] = torch.from_numpy(np.stack([policy.sample_ops(g, rng) for g in groups])).long()
+        out.append(b)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- runs
+class Run:
+    """One configuration: its own model (same initial weights for all), SGD, engine and handlers."""
+
+    def __init__(self, update_every: int | None, init_state: dict, val_batches: list[dict], copies: int, seed: int):
+        self.model = make_model()
+        self.model.load_state_dict(init_state)
+        self.init_state = {k: v.clone() for k, v in init_state.items()}
+        params = self.model.parameters()
+        self.optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.99, nesterov=True, weight_decay=3e-5)
+        self.loss = DiceCELoss(to_onehot_y=True, softmax=True, include_background=False)
+        self.engine = Engine(self._step)
+        self.handlers: list = []
+        if update_every is not None:
+            setup = AugmentationSetup("class-specific", "joint")
+            self.handlers = setup.handlers(
+                self.model, self.optimizer, val_batches, tra_lr=TRA_LR, tea_lr=TEA_LR,
+                tra_update_every=update_every, tea_update_every=update_every, train_loss="ce+dice",
+                val_loss="dice", num_copies=copies, hypergradient="finite-difference", seed=seed,
+            )  # fmt: skip
+            for h in self.handlers:
+                h.attach(self.engine)
+
+    def _step(self, engine: Engine, batch: dict) -> float:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(self.model(batch["image"]), batch["label"])
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+    def block(self, batches: list[dict]) -> tuple[float, float]:
+        """Reset model and SGD state (untimed), run one epoch over ``batches``; returns (cpu, wall) seconds."""
+        self.model.load_state_dict(self.init_state)
+        self.optimizer.state.clear()
+        c0, w0 = time.process_time(), time.perf_counter()
+        self.engine.run(batches, max_epochs=1)
+        return time.process_time() - c0, time.perf_counter() - w0
+
+    def counts(self) -> str:
+        return ", ".join(f"{h.name}: {h.updates} updates, {h.skipped} skipped" for h in self.handlers) or "-"
+
+
+def make_model() -> UNet:
+    return UNet(
+        spatial_dims=3, in_channels=1, out_channels=2, channels=(16, 32, 64), strides=(2, 2),
+        num_res_units=1, norm="instance",
+    )  # fmt: skip
+
+
+def setup(args: argparse.Namespace) -> tuple[dict, list[dict], list[dict]]:
+    torch.manual_seed(args.seed)
+    init_state = make_model().state_dict()
+    policy = make_tra_policy("nnunet", 2)
+    train = make_batches(BLOCK, args.batch, args.patch, args.seed, policy)
+    val = make_batches(4, args.batch, args.patch, args.seed + 1, None)
+    return init_state, train, val
+
+
+# ---------------------------------------------------------------------------------------------- primitives
+def time_primitives(init_state: dict, train: list[dict], val: list[dict], copies: int, reps: int) -> dict:
+    """(cpu, wall) medians of F_train, FB_train and F_tea(Z+1), interleaved (order rotated), one warm-up round."""
+    model = make_model()
+    model.load_state_dict(init_state)
+    loss_fn = DiceCELoss(to_onehot_y=True, softmax=True, include_background=False)
+    per_sample = get_loss("ce+dice")
+    x, y = train[0]["image"], train[0]["label"]
+    lesion = int(torch.nonzero(val[0]["class_group"])[0, 0])
+    tea_in = val[0]["image"][lesion : lesion + 1].expand(copies + 1, -1, -1, -1, -1).contiguous()
+
+    def f_train() -> None:  # the per-sample training losses at theta+ or theta- (eval mode, as meta_mode="eval")
+        model.eval()
+        with torch.no_grad():
+            per_sample(model(x), y)
+
+    def fb_train() -> None:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+
+    def f_tea() -> None:
+        model.eval()
+        with torch.no_grad():
+            torch.softmax(model(tea_in), dim=1)
+
+    fns = {"F_train": f_train, "FB_train": fb_train, "F_tea": f_tea}
+    times: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    names = list(fns)
+    for r in range(reps + 1):
+        for name in names[r % 3 :] + names[: r % 3]:
+            c0, w0 = time.process_time(), time.perf_counter()
+            fns[name]()
+            if r:
+                times[name].append((time.process_time() - c0, time.perf_counter() - w0))
+    return {k: tuple(statistics.median(t[i] for t in v) for i in range(2)) for k, v in times.items()}
+
+
+# ---------------------------------------------------------------------------------------------- breakdown
+class Timers:
+    """Patch timers (the ``--clock``) around named callables; ``restore`` undoes every patch."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = defaultdict(float)
+        self._undo: list[Callable[[], None]] = []
+
+    def _wrap(self, fn: Callable, label: Callable[[tuple], str] | str) -> Callable:
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.times[label(a) if callable(label) else label] += clock() - t0
+
+        return timed
+
+    def attr(self, owner: object, name: str, label: Callable[[tuple], str] | str) -> None:
+        old = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        setattr(owner, name, self._wrap(old, label))
+        self._undo.append(lambda: setattr(owner, name, old))
+
+    def item(self, mapping: dict, key: str, label: str) -> None:
+        old = mapping[key]
+        mapping[key] = self._wrap(old, label)
+        self._undo.append(lambda: mapping.__setitem__(key, old))
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def install_timers() -> Timers:
+    """Timers around the pieces of a joint update (before the updaters are built: they bind HYPERGRADIENTS[...])."""
+    timers = Timers()
+    timers.attr(tra_mod.TRAPolicyUpdater, "_snapshot", "snapshot")
+    timers.attr(tra_mod.TRAPolicyUpdater, "_validation_gradient", "val_fb")
+    timers.attr(tra_mod, "tea_transform_batch", "val_tea_ops")
+    timers.item(tra_mod.HYPERGRADIENTS, "finite-difference", "theta_pm")
+    timers.attr(tea_mod.TEAPolicyUpdater, "update", "tea_update")
+    timers.attr(tea_mod, "predict_by_shape", "tea_forward")
+    timers.attr(CategoricalPolicy, "series_weights", "series_weights")
+    timers.attr(PolicyUpdater, "step", lambda a: f"{a[0].name}_adam")
+    timers.attr(PolicyUpdater, "_log_changes", lambda a: f"{a[0].name}_log")
+    timers.attr(PolicyUpdater, "_run_update", lambda a: f"{a[0].name}_total")
+    return timers
+
+
+def print_breakdown(t: dict[str, float], iterations: int, clock_name: str) -> None:
+    it = t["iteration"]
+
+    def line(name: str, key_or_value: str | float, indent: int = 2) -> float:
+        v = t.get(key_or_value, 0.0) if isinstance(key_or_value, str) else key_or_value
+        print(f"{' ' * indent}{name:<56} {v * 1e3:8.1f} ms {v / it:6.1%}")
+        return v
+
+    print(f"\n3. Where one joint N=1 iteration goes ({clock_name} time per iteration of {iterations}, timers):")
+    line("iteration total", "iteration")
+    line("trainer step: forward + DiceCE + backward + SGD", "step")
+    line("snapshot theta (ITERATION_STARTED)", "snapshot")
+    tra = line("TRA update (_run_update)", "TRA_total")
+    parts = [
+        line("validation forward+backward (_validation_gradient)", "val_fb", 4),
+        line("theta± forwards (finite_difference_hypergradient)", "theta_pm", 4),
+        line("conditional re-sampling (series_weights)", "series_weights", 4),
+        line("Adam step incl. backward into the logits (step)", "TRA_adam", 4),
+        line("probabilities before/after + _log_changes", "TRA_log", 4),
+    ]
+    line("of the validation pass: TEA ops on the val batch", "val_tea_ops", 6)
+    line("rest (batch prep, norms, normalise, drawn_mask, clone)", tra - sum(parts), 4)
+    line("TEA update (_run_update)", "TEA_total")
+    tea = [line("forward of Z+1 copies (predict_by_shape)", "tea_forward", 4), line("Adam step", "TEA_adam", 4)]
+    line("rest (patch search, ops, inverses, Dice, sampling)", t.get("tea_update", 0.0) - sum(tea), 4)
+    line("probabilities before/after + _log_changes", "TEA_log", 4)
+    accounted = sum(t.get(k, 0.0) for k in ("step", "snapshot", "TRA_total", "TEA_total"))
+    line("engine / events (rest)", it - accounted)
+    book = sum(t.get(k, 0.0) for k in ("series_weights", "TRA_adam", "TRA_log", "TEA_adam", "TEA_log"))
+    print(f"  policy bookkeeping (re-sampling, Adam steps, logging; TRA + TEA): {book * 1e3:.1f} ms = {book / it:.1%}")
+
+
+# ---------------------------------------------------------------------------------------------- memory child
+def rss_kib() -> tuple[int, int]:
+    """(current RSS, peak RSS) of this process in KiB.
+
+    The peak is ``VmHWM`` (Linux): ``ru_maxrss`` of a child process started by a large parent can carry
+    the parent's peak across fork + exec, so it is read only where ``/proc`` is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            d = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in f) if k in ("VmRSS", "VmHWM")}
+        return d["VmRSS"], d["VmHWM"]
+    except (OSError, KeyError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // (1024 if sys.platform == "darwin" else 1)
+        return peak, peak
+
+
+def child(args: argparse.Namespace) -> None:
+    """Hidden ``--config`` mode: one configuration in a fresh process, one warm-up block + one block.
+
+    Prints one JSON line: RSS after set-up, peak RSS (and ru_maxrss) at the end and, for joint runs,
+    the breakdown timers of the second block."""
+    init_state, train, val = setup(args)
+    timers = install_timers() if CONFIGS[args.config] else None
+    run = Run(CONFIGS[args.config], init_state, val, args.copies, args.seed)
+    if timers is not None:
+        timers.attr(run, "_step", "step")
+        run.engine._process_function = run._step  # the engine holds the bound method it was built with
+    setup_rss, _ = rss_kib()
+    run.block(train)
+    if timers is not None:
+        timers.times.clear()
+    t0 = clock()
+    run.block(train)
+    out: dict = {"config": args.config, "setup_kib": setup_rss, "peak_kib": rss_kib()[1]}
+    out["ru_maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if timers is not None:
+        out["breakdown"] = {**timers.times, "iteration": clock() - t0}
+        out["breakdown"] = {k: v / BLOCK for k, v in out["breakdown"].items()}
+        out["counts"] = run.counts()
+    print(json.dumps(out))
+
+
+def run_children(args: argparse.Namespace) -> dict[str, dict]:
+    out = {}
+    for name in ("plain", "joint N=1"):
+        cmd = [sys.executable, os.path.abspath(__file__), "--config", name, "--batch", str(args.batch)]
+        cmd += ["--patch", str(args.patch), "--copies", str(args.copies), "--seed", str(args.seed)]
+        cmd += ["--clock", args.clock]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise RuntimeError(f"subprocess for {name!r} failed:\n{res.stderr[-3000:]}")
+        out[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main() -> None:
+    global clock
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--iterations", type=int, default=30, help="timed iterations per configuration (blocks of 10)")
+    parser.add_argument("--batch", type=int, default=8, help="patches per training / validation batch (n = m)")
+    parser.add_argument("--patch", type=int, default=32, help="patch edge (cubic patches)")
+    parser.add_argument("--copies", type=int, default=4, help="Z, TEA copies per TEA update")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="cpu", help="clock of the verdicts (both printed)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--primitive-reps", type=int, default=10, help="repetitions of each timed pass")
+    parser.add_argument("--config", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    clock = CLOCKS[args.clock]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*update skipped.*")  # skips are counted and printed
+    if args.config:
+        child(args)
+        return
+
+    blocks = max(1, math.ceil(args.iterations / BLOCK))
+    print(
+        f"policy-learning cost | torch {torch.__version__}, MONAI {monai.__version__}, "
+        f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads | batch {args.batch} x "
+        f"{args.patch}³, Z = {args.copies} | {blocks} x {BLOCK} timed iterations per configuration | "
+        f"verdicts on {args.clock} time"
+    )
+    t_start = time.perf_counter()
+    init_state, train, val = setup(args)
+    runs = {name: Run(n, init_state, val, args.copies, args.seed) for name, n in CONFIGS.items()}
+
+    # 1. seconds per iteration, configurations interleaved block by block (rotated); warm-up: 2 iterations each
+    for run in runs.values():
+        run.block(train[:2])
+    names = list(runs)
+    per_it: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for r in range(blocks):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            per_it[name].append(tuple(t / BLOCK for t in runs[name].block(train)))
+    k = 0 if args.clock == "cpu" else 1
+    sec = {n: tuple(statistics.median(t[i] for t in v) for i in range(2)) for n, v in per_it.items()}
+
+    # 2. the passes alone
+    prim = time_primitives(init_state, train, val, args.copies, args.primitive_reps)
+
+    def bound(i: int, n: int) -> float:
+        fb, f, ft = prim["FB_train"][i], prim["F_train"][i], prim["F_tea"][i]
+        return (n * fb + fb + 2 * f + ft) / (n * fb)  # FB_val = FB_train (m = n)
+
+    print("\n1. Seconds per iteration (median over blocks; cpu = process CPU time, wall = elapsed) and ratio to plain:")
+    print(f"  {'':<11} {'cpu s/it':>9} {'wall s/it':>10} {'ratio cpu':>10} {'ratio wall':>11}  policy updates (run)")
+    for name in names:
+        c, w = sec[name]
+        print(
+            f"  {name:<11} {c:9.3f} {w:10.3f} {c / sec['plain'][0]:10.2f} {w / sec['plain'][1]:11.2f}  "
+            f"[{runs[name].counts()}]"
+        )
+    print(f"\n2. Passes alone (medians of {args.primitive_reps}; cpu / wall ms):")
+    for name, label in (("FB_train", "forward + backward, training batch"), ("F_train", "forward, training batch"),
+                        ("F_tea", f"forward of Z+1 = {args.copies + 1} copies of one patch")):  # fmt: skip
+        print(f"  {name:<9} {prim[name][0] * 1e3:8.1f} {prim[name][1] * 1e3:8.1f}   {label}")
+    print(f"  plain iteration / FB_train: cpu {sec['plain'][0] / prim['FB_train'][0]:.2f}, "
+          f"wall {sec['plain'][1] / prim['FB_train'][1]:.2f}")  # fmt: skip
+    print(f"  measured ratio vs the bound from the extra passes (target: measured / bound <= {TARGET_BOUND:.2f}):")
+    for name, n in (("joint N=1", 1), ("joint N=10", 10)):
+        cells = []
+        for i, cname in enumerate(("cpu", "wall")):
+            m, b = sec[name][i] / sec["plain"][i], bound(i, n)
+            cells.append(f"{cname}: measured {m:5.2f} bound {b:5.2f} measured/bound {m / b:5.2f}")
+        m, b = sec[name][k] / sec["plain"][k], bound(k, n)
+        print(f"  {name:<11} {' | '.join(cells)}  {'PASS' if m / b <= TARGET_BOUND else 'MISS'} ({args.clock})")
+
+    # 3 + 4. fresh processes: peak memory, and the breakdown of a joint N=1 iteration
+    mem = run_children(args)
+    print_breakdown(mem["joint N=1"]["breakdown"], BLOCK, args.clock)
+    print(f"  updates in that process: {mem['joint N=1']['counts']}")
+    p, j = mem["plain"], mem["joint N=1"]
+    ratio = j["peak_kib"] / p["peak_kib"]
+    print("\n4. Peak memory of a fresh process running one configuration (2 blocks; VmHWM):")
+    for name, m in mem.items():
+        print(
+            f"  {name:<11} peak {m['peak_kib'] / 1024:7.1f} MiB | after set-up {m['setup_kib'] / 1024:7.1f} MiB | "
+            f"training adds {(m['peak_kib'] - m['setup_kib']) / 1024:6.1f} MiB | "
+            f"ru_maxrss {m['ru_maxrss_kib'] / 1024:7.1f} MiB"
+        )
+    verdict = "PASS" if ratio <= TARGET_MEMORY else "MISS"
+    print(f"  joint N=1 / plain peak: {ratio:.2f} (target <= {TARGET_MEMORY})  {verdict}")
+    inc_p, inc_j = p["peak_kib"] - p["setup_kib"], j["peak_kib"] - j["setup_kib"]
+    if inc_p > 0:
+        print(f"  for information: joint N=1 / plain of what training adds over set-up: {inc_j / inc_p:.2f}")
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

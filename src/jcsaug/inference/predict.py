@@ -1,0 +1,51 @@
+"""Predict whole cases with any (TTA) inferer and save the segmentations as NIfTI."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from monai.data import MetaTensor
+from monai.inferers import Inferer
+from monai.transforms import Compose, EnsureChannelFirstd, EnsureTyped, LoadImaged, Orientationd, SaveImage
+from tqdm.auto import tqdm
+
+
+def predict_cases(
+    network: torch.nn.Module,
+    cases: Sequence[Mapping],
+    inferer: Inferer,
+    output_dir: str | Path,
+    device: torch.device | str = "cpu",
+    image_key: str = "image",
+    progress: bool = True,
+) -> list[Path]:
+    """Segment every case (``{"image": path}``) and write ``<name>_seg.nii.gz`` files to ``output_dir``.
+
+    Images are read in RAS orientation (as in training); the saved label carries that orientation's
+    affine, so it overlays the input image in any viewer.
+    """
+    load = Compose([
+        LoadImaged(image_key, image_only=True),
+        EnsureChannelFirstd(image_key),
+        Orientationd(image_key, axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
+        EnsureTyped(image_key, dtype=torch.float32),
+    ])  # fmt: skip
+    saver = SaveImage(
+        output_dir=str(output_dir), output_postfix="seg", separate_folder=False, resample=False, print_log=False
+    )
+    written = []
+    network.eval()
+    with torch.no_grad():
+        for entry in tqdm(cases, desc="predict", disable=not progress):
+            if image_key not in entry:
+                raise KeyError(f"case {dict(entry)} has no {image_key!r} entry")
+            image = load(dict(entry))[image_key]
+            logits = inferer(image.unsqueeze(0).to(device), network)
+            seg = logits.argmax(1).to(torch.uint8).cpu()
+            out = MetaTensor(seg, meta=dict(image.meta)) if isinstance(image, MetaTensor) else seg
+            saver(out)
+            name = Path(str(entry[image_key])).name.replace(".nii.gz", "").replace(".nii", "")
+            written.append(Path(output_dir) / f"{name}_seg.nii.gz")
+    return written
