@@ -9,11 +9,19 @@ from pathlib import Path
 
 import nibabel as nib
 import pytest
+import torch
 
+from jcsaug.data import make_synthetic_dataset
+from jcsaug.policy import make_tea_policy
 from jcsaug.policy.io import load_policies
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "bundles" / "synthetic_lesion" / "configs"
+
+
+def _small_dataset(tmp_path: Path) -> None:
+    """A smaller dataset than the bundle's default, generated first: the bundle then reuses it."""
+    make_synthetic_dataset(tmp_path / "data", num_train=4, num_val=2, num_test=2, shape=(32, 32, 32), progress=False)
 
 
 def _bundle(tmp_path: Path, *configs: str, **overrides) -> subprocess.CompletedProcess:
@@ -32,6 +40,7 @@ def _bundle(tmp_path: Path, *configs: str, **overrides) -> subprocess.CompletedP
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bundle")
+    _small_dataset(tmp_path)
     result = _bundle(tmp_path, "train.yaml", max_epochs=2, epoch_length=2, num_workers=0,
                      tra_update_every=1, tea_update_every=1)  # fmt: skip
     return tmp_path, result
@@ -44,9 +53,9 @@ def test_train_writes_checkpoints_policies_and_metrics(trained):
     tra, tea = load_policies(run / "policies.json")
     assert tra is not None and tra.num_groups == 2 and tea is not None
     metrics = json.loads((run / "metrics.json").read_text())
-    assert set(metrics) == {"none", "learned_tea"}
+    assert set(metrics) == {"none", "joint"}
     for method in metrics.values():
-        assert len(method["per_case"]) == 6
+        assert len(method["per_case"]) == 2
         assert 0.0 <= method["mean_dice"] <= 1.0
     history = (run / "policy_history.jsonl").read_text().splitlines()
     assert len(history) == 2
@@ -60,17 +69,28 @@ def test_evaluate_and_inference_configs(trained):
     tmp_path, _ = trained
     _bundle(tmp_path, "train.yaml", "evaluate.yaml", num_workers=0)
     metrics = json.loads((tmp_path / "run" / "metrics_evaluate.json").read_text())
-    assert set(metrics) == {"none", "mirror_tta", "learned_tea"}
+    assert set(metrics) == {"none", "heuristic", "learned"}
     _bundle(tmp_path, "train.yaml", "inference.yaml", num_workers=0)
     predictions = sorted((tmp_path / "run" / "predictions").glob("*_seg.nii.gz"))
-    assert len(predictions) == 6
+    assert len(predictions) == 2
     seg = nib.load(predictions[0])
-    assert seg.shape[:3] == (48, 48, 48)
+    assert seg.shape[:3] == (32, 32, 32)
     assert set(seg.get_fdata().ravel().tolist()) <= {0.0, 1.0}
 
 
 def test_modes_are_overridable(tmp_path):
+    _small_dataset(tmp_path)
     _bundle(tmp_path, "train.yaml", max_epochs=1, epoch_length=1, num_workers=0, tra_mode="heuristic",
             tea_mode="none")  # fmt: skip
     tra, tea = load_policies(tmp_path / "run" / "policies.json")
     assert tra.num_groups == 1 and tea is None
+    assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())) == {"none"}
+
+
+def test_posthoc_tea_and_train_on_val(tmp_path):
+    _small_dataset(tmp_path)
+    _bundle(tmp_path, "train.yaml", max_epochs=1, epoch_length=1, num_workers=0, tra_mode="randaugment-m",
+            tea_mode="learned-posthoc", posthoc_iterations=3, train_on_val=True)  # fmt: skip
+    tra, tea = load_policies(tmp_path / "run" / "policies.json")
+    assert tea is not None and not torch.allclose(tea.logits, make_tea_policy("nnunet").logits)
+    assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())) == {"none", "learned-posthoc"}

@@ -9,6 +9,7 @@ from jcsaug.engine.hypergradient import (
 )
 from jcsaug.engine.losses import LOSSES, get_loss
 from jcsaug.engine.modes import TEA_MODES, TRA_MODES, AugmentationSetup
+from jcsaug.engine.posthoc import learn_tea_posthoc
 from jcsaug.engine.tea_updater import TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRAPolicyUpdater
 
@@ -24,5 +25,6 @@ __all__ = [
     "get_loss",
     "jvp_hypergradient",
     "latest_checkpoint",
+    "learn_tea_posthoc",
     "normalise_hypergradient",
 ]

@@ -2,22 +2,28 @@
 
 TRA modes: ``none`` (identity only), ``heuristic`` (fixed preset), ``randaugment-s/m/l`` (fixed),
 ``learned`` (one policy for all patches) and ``class-specific`` (one policy per class group).
-TEA learning modes: ``none`` and ``joint`` (learned together with TRA during training).
+TEA modes: ``none`` (no TTA at test time), ``heuristic`` (nnU-Net mirroring), ``learned-posthoc`` (a TEA
+policy learned on the frozen model after training) and ``joint`` (learned together with TRA during
+training).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+from monai.inferers import Inferer
 from torch import nn
 
+from jcsaug.engine.posthoc import learn_tea_posthoc
 from jcsaug.engine.tea_updater import TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRAPolicyUpdater
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
+from jcsaug.policy.io import save_policies
 
 TRA_MODES = ("none", "heuristic", "randaugment-s", "randaugment-m", "randaugment-l", "learned", "class-specific")
-TEA_MODES = ("none", "joint")
+TEA_MODES = ("none", "heuristic", "learned-posthoc", "joint")
 
 
 class AugmentationSetup:
@@ -94,3 +100,38 @@ class AugmentationSetup:
         items["tra_updater" if self.tra_updater else "tra_policy"] = self.tra_updater or self.tra_policy
         items["tea_updater" if self.tea_updater else "tea_policy"] = self.tea_updater or self.tea_policy
         return items
+
+    def test_inferers(
+        self,
+        base_inferer: Inferer | None = None,
+        z: int = 8,
+        network: nn.Module | None = None,
+        val_loader: Iterable | None = None,
+        posthoc_iterations: int = 100,
+        posthoc_lr: float = 5e-3,
+        num_copies: int = 10,
+        seed: int = 0,
+        output_dir: str | Path | None = None,
+    ) -> dict[str, Inferer]:
+        """Inferers to evaluate after training: ``{"none": plain}`` plus ``{tea_mode: inferer}``.
+
+        ``heuristic`` is nnU-Net mirroring; ``joint`` uses the top-``z`` ops of the TEA policy learned
+        during training; ``learned-posthoc`` first learns the TEA policy on the frozen ``network`` from
+        ``val_loader`` (and, given ``output_dir``, adds it to ``output_dir/policies.json``).
+        """
+        from jcsaug.inference.tta import MirrorTTAInferer, NoTTAInferer, TEAInferer
+
+        inferers: dict[str, Inferer] = {"none": NoTTAInferer(base_inferer)}
+        if self.tea_mode == "heuristic":
+            inferers["heuristic"] = MirrorTTAInferer(base_inferer)
+        elif self.tea_mode in ("learned-posthoc", "joint"):
+            if self.tea_mode == "learned-posthoc":
+                if network is None or val_loader is None:
+                    raise ValueError("tea_mode 'learned-posthoc' needs the trained network and a validation loader")
+                learn_tea_posthoc(
+                    network, val_loader, posthoc_iterations, posthoc_lr, num_copies, policy=self.tea_policy, seed=seed
+                )
+                if output_dir is not None:
+                    save_policies(Path(output_dir) / "policies.json", self.tra_policy, self.tea_policy)
+            inferers[self.tea_mode] = TEAInferer.from_policy(self.tea_policy, z=z, base_inferer=base_inferer)
+        return inferers

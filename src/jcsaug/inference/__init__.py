@@ -1,6 +1,21 @@
 """Test-time augmentation inferers."""
 
 from jcsaug.inference.predict import predict_cases
-from jcsaug.inference.tta import TTA_INFERERS, MirrorTTAInferer, NoTTAInferer, TEAInferer, load_tea_policy
+from jcsaug.inference.tta import (
+    TTA_INFERERS,
+    MirrorTTAInferer,
+    NoTTAInferer,
+    TEAInferer,
+    evaluation_inferers,
+    load_tea_policy,
+)
 
-__all__ = ["TTA_INFERERS", "MirrorTTAInferer", "NoTTAInferer", "TEAInferer", "load_tea_policy", "predict_cases"]
+__all__ = [
+    "evaluation_inferers",
+    "TTA_INFERERS",
+    "MirrorTTAInferer",
+    "NoTTAInferer",
+    "TEAInferer",
+    "load_tea_policy",
+    "predict_cases",
+]

@@ -140,6 +140,17 @@ def load_tea_policy(path: str | Path) -> CategoricalPolicy:
     raise ValueError(f"checkpoint {path} holds no TEA policy (keys: {sorted(state)})")
 
 
+def evaluation_inferers(policies_path: str | Path, base_inferer: Inferer | None = None, z: int = 8) -> dict:
+    """No TTA, nnU-Net mirroring, and (if the run's ``policies.json`` holds one) the learned TEA policy."""
+    inferers: dict[str, TEAInferer] = {"none": NoTTAInferer(base_inferer), "heuristic": MirrorTTAInferer(base_inferer)}
+    from jcsaug.policy.io import load_policies
+
+    _, tea = load_policies(policies_path)
+    if tea is not None:
+        inferers["learned"] = TEAInferer.from_policy(tea, z, base_inferer)
+    return inferers
+
+
 #: name -> factory of a TTA inferer, for the bundles' ``tea_inference`` switch
 TTA_INFERERS: dict[str, Callable[..., TEAInferer]] = {
     "none": NoTTAInferer,

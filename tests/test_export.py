@@ -1,0 +1,77 @@
+"""PolicyExporter and policies.json: history, TensorBoard scalars, atomic export, catalogue checks."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from ignite.engine import Engine
+
+from jcsaug.engine import PolicyExporter
+from jcsaug.policy import make_tea_policy, make_tra_policy
+from jcsaug.policy.io import load_policies, policies_to_dict, save_policies
+
+
+class _FakeWriter:
+    scalars: list = []
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+
+    def add_scalar(self, tag, value, step):
+        _FakeWriter.scalars.append((tag, value, step))
+
+    def flush(self):
+        pass
+
+
+def test_exporter_writes_history_scalars_and_policies(tmp_path, monkeypatch):
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = _FakeWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    _FakeWriter.scalars = []
+    tra, tea = make_tra_policy("nnunet", 2), make_tea_policy()
+
+    def step(engine, batch):
+        with torch.no_grad():
+            tra.logits[1, 0] += 0.5  # something changes every iteration
+
+    engine = Engine(step)
+    PolicyExporter(tmp_path, tra, tea, tensorboard_dir=tmp_path / "tb").attach(engine)
+    engine.run([0, 1], max_epochs=3)
+    history = [json.loads(line) for line in (tmp_path / "policy_history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    key = "tra/group1/scale/identity"
+    assert history[0]["probabilities"][key] < history[2]["probabilities"][key]
+    assert len([s for s in _FakeWriter.scalars if s[2] == 6]) == 62 * 2 + 84  # one scalar per op probability
+    loaded_tra, loaded_tea = load_policies(tmp_path / "policies.json")
+    assert torch.allclose(loaded_tra.logits, tra.logits) and torch.allclose(loaded_tea.logits, tea.logits)
+    assert not list(tmp_path.glob(".policies.json.*"))  # no temporary file left behind
+
+
+def test_policies_json_round_trip_and_names(tmp_path):
+    tra = make_tra_policy("deepmedic", 3)
+    path = save_policies(tmp_path / "p.json", tra, None)
+    data = json.loads(path.read_text())
+    assert data["tra"]["groups"][2]["series"][12]["ops"][4]["name"] == "sharpen[0.8,1)"
+    loaded, tea = load_policies(path)
+    assert tea is None and torch.allclose(loaded.logits, tra.logits)
+
+
+def test_policy_file_for_another_catalogue_is_refused(tmp_path):
+    data = policies_to_dict(make_tra_policy(), make_tea_policy())
+    data["tra"]["groups"][0]["series"][0]["ops"].pop()
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="series 'scale': op names .* do not match the catalogue"):
+        load_policies(tmp_path / "a.json")
+    data = policies_to_dict(make_tra_policy(), make_tea_policy())
+    data["tea"]["ops"][5]["name"] = "scale_down_9"
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="TEA policy: op names"):
+        load_policies(tmp_path / "b.json")
+    (tmp_path / "c.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a jcsaug policies file"):
+        load_policies(tmp_path / "c.json")

@@ -1,0 +1,80 @@
+"""TTA inferers: learned top-z TEA, nnU-Net mirroring, none; loading policies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from monai.inferers import SlidingWindowInferer
+
+from jcsaug.inference import MirrorTTAInferer, NoTTAInferer, TEAInferer, load_tea_policy
+from jcsaug.policy import make_tea_policy, make_tra_policy
+from jcsaug.policy.io import save_policies
+
+
+def _net(x):
+    """Not flip-equivariant: depends on position."""
+    ramp = torch.linspace(0, 1, x.shape[2]).view(1, 1, -1, 1, 1)
+    return torch.cat([x * ramp, 1 - x], dim=1)
+
+
+def _symmetric_net(x):
+    """Flip-equivariant (pointwise) toy model."""
+    return torch.cat([x, -x], dim=1)
+
+
+def test_identity_top_op_equals_plain_inference():
+    policy = make_tea_policy("nnunet")
+    with torch.no_grad():
+        policy.logits[0, 0] = 50.0  # identity dominates: softmax weight ~1
+    x = torch.rand(2, 1, 8, 9, 10)
+    out = TEAInferer.from_policy(policy, z=4)(x, _net)
+    torch.testing.assert_close(out, _net(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(NoTTAInferer()(x, _net), _net(x))
+
+
+def test_mirror_tta_of_flip_equivariant_model_equals_plain():
+    x = torch.rand(1, 1, 8, 9, 10)
+    out = MirrorTTAInferer()(x, _symmetric_net)
+    torch.testing.assert_close(out.softmax(1), _symmetric_net(x).softmax(1), atol=1e-5, rtol=1e-5)
+    assert len(MirrorTTAInferer().ops) == 8
+
+
+def test_top_z_weights_are_softmax_of_chosen_logits_and_wrap_sliding_window():
+    policy = make_tea_policy("uniform")
+    logits = torch.linspace(-1, 1, 84)
+    with torch.no_grad():
+        policy.logits[0] = logits
+    inferer = TEAInferer.from_policy(policy, z=3, base_inferer=SlidingWindowInferer(roi_size=(8, 8, 8)))
+    assert [op.id for op in inferer.ops] == [83, 82, 81]
+    np.testing.assert_allclose(inferer.weights, torch.softmax(logits[[83, 82, 81]].double(), 0).numpy(), rtol=1e-6)
+    out = inferer(torch.rand(1, 1, 12, 12, 12), _symmetric_net)
+    assert out.shape == (1, 2, 12, 12, 12)
+
+
+def test_non_cubic_rotations_are_batched_by_shape_and_mapped_back():
+    ops_policy = make_tea_policy("uniform")
+    with torch.no_grad():
+        ops_policy.logits[0, [14, 19, 0]] = 10.0  # rot90 ACW/CW about frontal + identity
+    x = torch.rand(1, 1, 6, 8, 10)
+    out = TEAInferer.from_policy(ops_policy, z=3)(x, _symmetric_net)
+    torch.testing.assert_close(out, _symmetric_net(x), atol=1e-5, rtol=1e-5)
+
+
+def test_loading_policies_and_errors(tmp_path):
+    path = save_policies(tmp_path / "policies.json", tea=make_tea_policy())
+    assert load_tea_policy(path).logits.shape == (1, 84)
+    torch.save({"tea_policy": make_tea_policy().state_dict()}, tmp_path / "c.pt")
+    assert load_tea_policy(tmp_path / "c.pt").logits.shape == (1, 84)
+    only_tra = save_policies(tmp_path / "tra.json", tra=make_tra_policy())
+    with pytest.raises(ValueError, match="holds no TEA policy"):
+        load_tea_policy(only_tra)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tea_policy(tmp_path / "nope.json")
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot read checkpoint"):
+        load_tea_policy(tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="not a TEA policy"):
+        TEAInferer.from_policy(make_tra_policy(), z=4)
+    with pytest.raises(ValueError, match="z must be in"):
+        TEAInferer.from_policy(make_tea_policy(), z=0)
