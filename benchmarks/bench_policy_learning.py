@@ -174,6 +174,12 @@ class Run:
         self.engine.run(batches, max_epochs=10**6)
         return time.process_time() - c0, time.perf_counter() - w0
 
+    def finish(self, batches: list[dict]) -> None:
+        """End an interrupted run cleanly (else Ignite logs an error when the paused run is collected)."""
+        if self._interrupting:
+            self.engine.terminate()
+            self.engine.run(batches, max_epochs=10**6)
+
     def counts(self) -> str:
         return ", ".join(f"{h.name}: {h.updates} updates, {h.skipped} skipped" for h in self.handlers) or "-"
 
@@ -417,6 +423,8 @@ def main() -> None:
                 times[name].append(jobs[name]())
         if c:
             per_cycle.append(times)
+    for run in runs.values():
+        run.finish(train)
 
     def metrics(i: int) -> dict[str, list[float]]:
         """Per-cycle values on clock ``i`` (0 = cpu, 1 = wall)."""

@@ -1,5 +1,28 @@
-"""Evaluation of segmentations: per-case metrics and summaries."""
+"""Evaluation of segmentations: per-case metrics, summaries and the comparison report."""
 
-from jcsaug.evaluation.segmentation import case_dice, evaluate_cases
+from jcsaug.evaluation.metrics import (
+    HIGHER_IS_BETTER,
+    METRICS,
+    case_metrics,
+    largest_connected_component,
+    summarize_cases,
+)
+from jcsaug.evaluation.report import Report, ReportError, build_report, build_report_parser, run_report
+from jcsaug.evaluation.segmentation import case_dice, case_spacing, evaluate_cases, per_case_csv
 
-__all__ = ["case_dice", "evaluate_cases"]
+__all__ = [
+    "HIGHER_IS_BETTER",
+    "METRICS",
+    "Report",
+    "ReportError",
+    "build_report",
+    "build_report_parser",
+    "case_dice",
+    "case_metrics",
+    "case_spacing",
+    "evaluate_cases",
+    "largest_connected_component",
+    "per_case_csv",
+    "run_report",
+    "summarize_cases",
+]

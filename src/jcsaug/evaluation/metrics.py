@@ -21,14 +21,19 @@ spacing in mm, so anisotropic images are measured correctly.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from monai.metrics import compute_confusion_matrix_metric, compute_dice, compute_hausdorff_distance
-from monai.metrics.utils import get_confusion_matrix
+from monai.metrics import (
+    compute_confusion_matrix_metric,
+    compute_dice,
+    compute_hausdorff_distance,
+    get_confusion_matrix,
+)
 from monai.networks.utils import one_hot
-from monai.transforms import KeepLargestConnectedComponent
+from scipy import ndimage
 
 METRICS: tuple[str, ...] = ("dice", "sensitivity", "precision", "hd95")
 """The metrics computed per case and class, in table order."""
@@ -69,15 +74,20 @@ def largest_connected_component(
 ) -> torch.Tensor:
     """Keep, for each foreground class independently, only its largest connected component (rest -> 0).
 
-    ``labels`` is a ``(*spatial)`` label map; ``connectivity`` as in MONAI (None = full connectivity).
+    Same semantics as MONAI's ``KeepLargestConnectedComponent(applied_labels=1..C-1, independent=True)``
+    (``connectivity``: orthogonal hops defining neighbours, None = full connectivity), but implemented
+    with :func:`scipy.ndimage.label` because MONAI's CPU implementation needs scikit-image, not a
+    dependency here. ``labels`` is a ``(*spatial)`` label map; ties keep the first component in raster order.
     """
     t = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels).detach().cpu()
-    if num_classes < 2:
-        return t
-    lcc = KeepLargestConnectedComponent(
-        applied_labels=list(range(1, num_classes)), is_onehot=False, independent=True, connectivity=connectivity
-    )
-    return torch.as_tensor(lcc(t[None])[0]).to(t.dtype)
+    array = t.numpy().copy()
+    structure = ndimage.generate_binary_structure(array.ndim, connectivity or array.ndim)
+    for c in range(1, num_classes):
+        components, n = ndimage.label(array == c, structure=structure)
+        if n > 1:
+            sizes = np.bincount(components.ravel())[1:]
+            array[(components > 0) & (components != int(np.argmax(sizes)) + 1)] = 0
+    return torch.as_tensor(array)
 
 
 def case_metrics(
@@ -106,6 +116,9 @@ def case_metrics(
     true = _as_label_map(true_labels, spatial_dims)
     if pred.shape != true.shape:
         raise ValueError(f"prediction shape {tuple(pred.shape)} != label shape {tuple(true.shape)}")
+    for name, t in (("prediction", pred), ("label", true)):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_classes):
+            raise ValueError(f"{name} has classes outside 0..{num_classes - 1}: {sorted(t.unique().tolist())}")
     if keep_largest_component:
         pred = largest_connected_component(pred, num_classes).long()
     spacing_mm = _spacing_list(spacing, pred.ndim)
@@ -122,10 +135,12 @@ def case_metrics(
         has_pred, has_true = bool(pred_1h[0, c].any()), bool(true_1h[0, c].any())
         row = {"dice": float(dice[c - 1])}
         if has_pred and has_true:
-            hd = compute_hausdorff_distance(
-                pred_1h[:, c : c + 1], true_1h[:, c : c + 1], include_background=True, percentile=95,
-                spacing=spacing_mm,
-            )  # fmt: skip
+            with warnings.catch_warnings():  # MONAI 1.5+ warns about its own internal use of a deprecated argument
+                warnings.filterwarnings("ignore", message=".*always_return_as_numpy", category=FutureWarning)
+                hd = compute_hausdorff_distance(
+                    pred_1h[:, c : c + 1], true_1h[:, c : c + 1], include_background=True, percentile=95,
+                    spacing=spacing_mm,
+                )  # fmt: skip
             row.update(sensitivity=float(sensitivity[c - 1]), precision=float(precision[c - 1]), hd95=float(hd[0, 0]))
             status = "ok"
         elif not has_pred and not has_true:

@@ -1,19 +1,32 @@
-"""Evaluate a segmentation network on whole cases with one or more (TTA) inferers; write metrics.json."""
+"""Evaluate a segmentation network on whole cases with one or more (TTA) inferers.
+
+Writes ``metrics.json`` (per method: mean Dice, per-metric summaries, per-case values) and a per-case,
+per-class ``per_case.csv`` (the input of ``jcsaug report``). Metric conventions for empty masks are those
+of :mod:`jcsaug.evaluation.metrics`; undefined values are NaN in memory and in the CSV, ``null`` in JSON.
+"""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from monai.inferers import Inferer
 from monai.metrics import DiceMetric
 from monai.networks.utils import one_hot
 from tqdm.auto import tqdm
 
+from jcsaug.evaluation.metrics import METRICS, case_metrics, count_statuses, nanmean, summarize_cases
 from jcsaug.policy.io import atomic_write_text
+
+CSV_COLUMNS: tuple[str, ...] = ("method", "case", "class", *METRICS, "status")
+"""Columns of ``per_case.csv``: one row per method, case and foreground class."""
 
 
 def case_dice(pred_logits: torch.Tensor, label: torch.Tensor, num_classes: int) -> list[float]:
@@ -29,8 +42,104 @@ def case_dice(pred_logits: torch.Tensor, label: torch.Tensor, num_classes: int) 
 
 
 def _mean(values: Sequence[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return float(sum(finite) / len(finite)) if finite else float("nan")
+    return nanmean(values)
+
+
+def _spacing_from_affine(affine, spatial_dims: int) -> list[float]:
+    a = np.asarray(affine, dtype=float)[:spatial_dims, :spatial_dims]
+    return [float(v) for v in np.sqrt((a**2).sum(axis=0))]
+
+
+def _spacing_from_file(path: str | Path, spatial_shape: Sequence[int]) -> list[float] | None:
+    """Voxel size of an image file (nibabel header), in the axis order of the loaded array.
+
+    The load transform may keep the file's axis order or reorient to RAS (``Orientationd``): the order
+    whose shape matches ``spatial_shape`` is used; None when the file cannot tell (e.g. resampled data).
+    """
+    try:
+        import nibabel as nib
+
+        image = nib.load(str(path))
+    except Exception:  # not a file nibabel reads: no spacing from here
+        return None
+    n = len(spatial_shape)
+    file_shape = tuple(int(s) for s in image.shape[:n])
+    if len(image.shape) < n:
+        return None
+    zooms = _spacing_from_affine(image.affine, n)
+    ras_zooms, ras_shape = [0.0] * n, [0] * n
+    for axis, (target, _flip) in enumerate(nib.orientations.io_orientation(np.asarray(image.affine)[: n + 1, : n + 1])):
+        ras_zooms[int(target)], ras_shape[int(target)] = zooms[axis], file_shape[axis]
+    loaded = tuple(int(s) for s in spatial_shape)
+    as_file, as_ras = loaded == file_shape, loaded == tuple(ras_shape)
+    if not (as_file or as_ras):
+        return None
+    if np.allclose(zooms, ras_zooms) or (as_file and not as_ras):
+        return zooms
+    if as_ras and not as_file:
+        return ras_zooms
+    warnings.warn(
+        f"{path}: anisotropic spacing and an ambiguous axis order; assuming the loader reorients to RAS "
+        f"({ras_zooms} mm). Pass spacing= to evaluate_cases to be explicit.",
+        stacklevel=3,
+    )
+    return ras_zooms
+
+
+def case_spacing(
+    data: Mapping, entry: Mapping, image_key: str = "image", spacing_key: str | None = None
+) -> tuple[list[float] | None, str]:
+    """Voxel size (mm, array axis order) of a loaded case and where it came from.
+
+    Tried in order: ``data[spacing_key]`` / ``entry[spacing_key]``; the affine of a MetaTensor image;
+    ``data["<image_key>_meta_dict"]`` (``affine``, else NIfTI ``pixdim``); the header of the image file named
+    by ``entry[image_key]`` (nibabel). Returns ``(None, "unknown")`` when none of these is available.
+    """
+    image = data[image_key]
+    spatial_dims = image.ndim - 1  # channel first
+    if spacing_key is not None:
+        for source, mapping in (("data", data), ("entry", entry)):
+            if spacing_key in mapping and mapping[spacing_key] is not None:
+                values = np.asarray(mapping[spacing_key], dtype=float).ravel().tolist()
+                return (values * spatial_dims if len(values) == 1 else values), f"{source}[{spacing_key!r}]"
+    if getattr(image, "affine", None) is not None and hasattr(image, "meta"):  # MetaTensor
+        return _spacing_from_affine(image.affine, spatial_dims), "MetaTensor affine"
+    meta = data.get(f"{image_key}_meta_dict")
+    if isinstance(meta, Mapping):
+        if meta.get("affine") is not None:
+            return _spacing_from_affine(meta["affine"], spatial_dims), "meta_dict affine"
+        if meta.get("pixdim") is not None:
+            pixdim = np.asarray(meta["pixdim"], dtype=float).ravel()
+            return pixdim[1 : spatial_dims + 1].tolist(), "meta_dict pixdim"
+    path = entry.get(image_key) if isinstance(entry, Mapping) else None
+    if isinstance(path, (str, Path)) and Path(path).is_file():
+        spacing = _spacing_from_file(path, tuple(image.shape[1:]))
+        if spacing is not None:
+            return spacing, "image file header"
+    return None, "unknown"
+
+
+def _json_safe(value):
+    """NaN/inf -> None (strict JSON), recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def per_case_csv(metrics: Mapping[str, Mapping]) -> str:
+    """The ``per_case.csv`` text of an :func:`evaluate_cases` result (undefined values written as ``nan``)."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for method, result in metrics.items():
+        for row in result["per_case"]:
+            for c, status in enumerate(row["status"]):
+                writer.writerow([method, row["case"], c + 1, *(repr(float(row[m][c])) for m in METRICS), status])
+    return buffer.getvalue()
 
 
 def evaluate_cases(
@@ -44,8 +153,12 @@ def evaluate_cases(
     image_key: str = "image",
     label_key: str = "label",
     progress: bool = True,
+    spacing: float | Sequence[float] | None = None,
+    spacing_key: str | None = None,
+    keep_largest_component: bool = False,
+    csv_path: str | Path | None = None,
 ) -> dict:
-    """Dice of every case under every inferer; returns (and optionally writes) the metrics dictionary.
+    """Dice, sensitivity, precision and HD95 of every case under every inferer; returns the metrics dict.
 
     Args:
         network: the trained network (put in eval mode here).
@@ -53,30 +166,64 @@ def evaluate_cases(
         load: transform turning an entry into tensors (``LoadImaged`` ... ``EnsureTyped``).
         inferers: method name -> inferer, e.g. ``{"none": NoTTAInferer(sw), "learned_tea": ...}``.
         num_classes: number of classes including background.
-        output_path: where to write ``metrics.json`` (atomically).
+        output_path: where to write ``metrics.json`` (atomically); ``per_case.csv`` goes next to it.
+        spacing: voxel size in mm for all cases; None = per case from :func:`case_spacing`, else 1 mm
+            (with a warning).
+        spacing_key: key of the data or datalist entry holding the spacing (see :func:`case_spacing`).
+        keep_largest_component: keep only the largest connected component of each predicted class.
+        csv_path: where to write the per-case CSV (default: ``per_case.csv`` next to ``output_path``).
+
+    Returns:
+        ``{method: {"mean_dice", "mean_dice_per_class", "summary": {metric: {"mean", "per_class",
+        "n_undefined", "n_undefined_per_class"}}, "empty_cases": {status: [count per class]},
+        "per_case": [{"case", "dice", "mean_dice", "sensitivity", "precision", "hd95", "status",
+        "spacing"}]}}`` — per-case metric values are lists over the foreground classes.
     """
     if not cases:
         raise ValueError("no cases to evaluate")
     device = torch.device(device)
     network.eval()
     per_method: dict[str, list[dict]] = {name: [] for name in inferers}
+    unknown_spacing: list[str] = []
     with torch.no_grad():
-        for entry in tqdm(cases, desc="evaluate", disable=not progress):
+        for index, entry in enumerate(tqdm(cases, desc="evaluate", disable=not progress)):
             data = load(entry)
-            image = data[image_key].unsqueeze(0).to(device)
-            label = data[label_key].unsqueeze(0).to(device)
-            case = str(entry.get(image_key, len(per_method)))
+            case = str(entry.get(image_key, f"case_{index}")) if isinstance(entry, Mapping) else f"case_{index}"
+            if spacing is not None:
+                voxel = np.broadcast_to(np.asarray(spacing, dtype=float), (data[image_key].ndim - 1,)).tolist()
+            else:
+                voxel, _source = case_spacing(data, entry, image_key, spacing_key)
+                if voxel is None:
+                    unknown_spacing.append(case)
+                    voxel = [1.0] * (data[image_key].ndim - 1)
+            image = torch.as_tensor(data[image_key]).unsqueeze(0).to(device)
+            label = torch.as_tensor(data[label_key]).cpu()
             for name, inferer in inferers.items():
-                dice = case_dice(inferer(image, network), label, num_classes)
-                per_method[name].append({"case": case, "dice": dice, "mean_dice": _mean(dice)})
+                pred = inferer(image, network).argmax(1)[0].cpu()
+                values = case_metrics(pred, label[0], num_classes, voxel, keep_largest_component=keep_largest_component)
+                row = {"case": case, "dice": values["dice"], "mean_dice": _mean(values["dice"])}
+                row.update({m: values[m] for m in METRICS[1:]}, status=values["status"], spacing=voxel)
+                per_method[name].append(row)
+    if unknown_spacing:
+        warnings.warn(
+            f"voxel spacing unknown for {len(unknown_spacing)} case(s) (e.g. {unknown_spacing[0]}): HD95 computed "
+            "with 1 mm voxels. Pass spacing= or spacing_key= to evaluate_cases.",
+            stacklevel=2,
+        )
     metrics = {
         name: {
             "mean_dice": _mean([r["mean_dice"] for r in rows]),
             "mean_dice_per_class": [_mean([r["dice"][c] for r in rows]) for c in range(num_classes - 1)],
+            "summary": summarize_cases(rows, num_classes),
+            "empty_cases": count_statuses(rows, num_classes),
             "per_case": rows,
         }
         for name, rows in per_method.items()
     }
     if output_path is not None:
-        atomic_write_text(output_path, json.dumps(metrics, indent=1))
+        atomic_write_text(output_path, json.dumps(_json_safe(metrics), indent=1))
+    if csv_path is None and output_path is not None:
+        csv_path = Path(output_path).with_name("per_case.csv")
+    if csv_path is not None:
+        atomic_write_text(csv_path, per_case_csv(metrics))
     return metrics

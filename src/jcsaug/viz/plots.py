@@ -67,13 +67,13 @@ def _matplotlib() -> Any:
     return matplotlib
 
 
-def _new_figure(figsize: tuple[float, float], dpi: int) -> Any:
+def _new_figure(figsize: tuple[float, float], dpi: int, layout: str | None = "constrained") -> Any:
     """A figure on its own Agg canvas (no pyplot, no global backend switch)."""
     _matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
     from matplotlib.figure import Figure  # noqa: PLC0415
 
-    fig = Figure(figsize=figsize, dpi=dpi, layout="constrained")
+    fig = Figure(figsize=figsize, dpi=dpi, layout=layout)
     FigureCanvasAgg(fig)
     return fig
 
@@ -154,7 +154,7 @@ def _draw_tra_group(ax: Any, tra: CategoricalPolicy, probs: list[np.ndarray], gr
             if w >= 0.07:
                 label = _segment_label(tra.series_names[s], tra.op_names[s][j])
                 if w >= 0.2:
-                    label = f"{label} {w:.2f}"
+                    label = f"{label}={w:.2f}"
                 dark = shade > 0.55
                 ax.text(
                     left + w / 2, y, label, ha="center", va="center", fontsize=6,
@@ -233,6 +233,12 @@ def plot_policy(
             _draw_tra_group(axes[g], tra, probs, g, show_names=g == 0)
     if tea is not None:
         _draw_tea(axes[-1], tea, top_k)
+    if tra is not None:
+        fig.supxlabel(
+            "TRA bars: id identity, 1-5 magnitude level (darker = larger), 90° quarter turn, flip mirror, "
+            "b/s blur/sharpen level; =p probability",
+            fontsize=7, color="0.3",
+        )  # fmt: skip
     return _save(fig, out_png)
 
 
@@ -313,7 +319,8 @@ def plot_policy_history(
     for ax, name in zip(axes, names):
         lines = panels[name]
         change = {k: float(np.nanmax(np.abs(v - v[0]))) if np.isfinite(v).any() else 0.0 for k, v in lines.items()}
-        top = sorted(lines, key=lambda k: -change[k])[: max(1, int(top_k))]
+        moved = [k for k in lines if change[k] > 1e-4] or list(lines)  # unchanged ops only if nothing moved
+        top = sorted(moved, key=lambda k: -change[k])[: max(1, int(top_k))]
         for label in top:
             ax.plot(iterations, lines[label], marker=marker, markersize=3, linewidth=1.2, label=label)
         ax.set_title(f"{name} (top {len(top)} of {len(lines)} ops by change)", fontsize=9)
@@ -357,9 +364,20 @@ def _middle_slice(vol: np.ndarray, axis: int) -> np.ndarray:
 
 def _show(ax: Any, img: np.ndarray, title: str, window: tuple[float, float], fontsize: float) -> None:
     ax.imshow(img, cmap="gray", origin="lower", vmin=window[0], vmax=window[1], interpolation="nearest")
+    ax.set_anchor("N")  # image right under its title, whatever its aspect
     ax.set_title(title, fontsize=fontsize, pad=2)
     ax.set_xticks([])
     ax.set_yticks([])
+
+
+_TILE_W, _TEA_ROW_H, _TRA_ROW_H, _HEADER_H = 1.3, 1.45, 1.7, 0.4  # inches: gallery tile / row / block header
+
+
+def gallery_figsize(num_tea_tiles: int, num_tra_tiles: int, ncols: int = 12) -> tuple[float, float]:
+    """Size (inches) of :func:`ops_gallery`'s figure for these numbers of tiles."""
+    tea_rows, tra_rows = math.ceil(num_tea_tiles / ncols), math.ceil(num_tra_tiles / ncols)
+    height = tea_rows * _TEA_ROW_H + _HEADER_H + (tra_rows * _TRA_ROW_H + _HEADER_H if tra_rows else 0.0)
+    return (ncols * _TILE_W, height)
 
 
 def ops_gallery(
@@ -406,7 +424,7 @@ def ops_gallery(
     with torch.no_grad():
         for op in TEA_OPS:
             out = op.transform_image(x)[0].numpy()
-            tea_tiles.append((_middle_slice(out, slice_axis), f"{op.id} {op.name}"))
+            tea_tiles.append((_middle_slice(out, slice_axis), _split_name(f"{op.id} {op.name}")))
 
     policy = tra_policy if tra_policy is not None else make_tra_policy("nnunet", 2)
     rng = np.random.RandomState(seed)
@@ -420,30 +438,35 @@ def ops_gallery(
                 ops = [tra_short_name(s, c) for s, c in enumerate(choices) if c != 0]
                 tra_tiles.append((_middle_slice(out, slice_axis), f"g{g} #{d + 1}\n" + _wrap(ops or ["identity"])))
 
-    tea_rows = math.ceil(len(tea_tiles) / ncols)
-    tra_rows = math.ceil(len(tra_tiles) / ncols)
-    tile_w, tea_h, tra_h = 1.3, 1.45, 1.75
-    height = tea_rows * tea_h + 0.5 + (tra_rows * tra_h + 0.7 if tra_rows else 0.0)
-    fig = _new_figure((ncols * tile_w, height), dpi)
-    fig.get_layout_engine().set(w_pad=0.01, h_pad=0.01, wspace=0.02, hspace=0.02)
+    fig = _new_figure(gallery_figsize(len(tea_tiles), len(tra_tiles), ncols), dpi, layout=None)
     axis_name = ("sagittal", "frontal", "axial")[slice_axis]
-    blocks = [(tea_tiles, tea_rows, f"TEA: the {len(tea_tiles)} test-time ops ({axis_name} middle slice)")]
-    heights = [tea_rows * tea_h + 0.5]
-    if tra_rows:
-        blocks.append((
-            tra_tiles, tra_rows,
-            f"TRA: {tra_draws} draws per class group (seed {seed}); digits = magnitude level, 1 smallest",
-        ))  # fmt: skip
-        heights.append(tra_rows * tra_h + 0.7)
-    subfigs = np.atleast_1d(fig.subfigures(len(blocks), 1, height_ratios=heights))
-    for sub, (tiles, rows, title) in zip(subfigs, blocks):
-        sub.suptitle(title, fontsize=10, fontweight="bold")
-        axes = np.atleast_1d(sub.subplots(rows, ncols, squeeze=False)).ravel()
-        for ax, (img, label) in zip(axes, tiles):
-            _show(ax, img, label, window, fontsize=5.5)
-        for ax in axes[len(tiles) :]:
-            ax.set_visible(False)
+    blocks = [(tea_tiles, _TEA_ROW_H, f"TEA: the {len(tea_tiles)} test-time ops ({axis_name} middle slice)")]
+    if tra_tiles:
+        title = f"TRA: {tra_draws} draws per class group (seed {seed}); digits = magnitude level, 1 smallest"
+        blocks.append((tra_tiles, _TRA_ROW_H, title))
+    # fixed grid in inches (a layout engine is slow with ~100 axes): header, then rows of tiles
+    width, height = fig.get_size_inches()
+    top = height
+    for tiles, row_h, title in blocks:
+        fig.text(0.5, (top - 0.12) / height, title, ha="center", va="top", fontsize=10, fontweight="bold")
+        top -= _HEADER_H
+        title_h = 0.3 if row_h == _TEA_ROW_H else 0.5  # room for 2 / 3 title lines
+        for i, (img, label) in enumerate(tiles):
+            row, col = divmod(i, ncols)
+            left = col * _TILE_W + 0.04
+            bottom = top - (row + 1) * row_h + 0.04
+            rect = (left / width, bottom / height, (_TILE_W - 0.08) / width, (row_h - title_h - 0.04) / height)
+            _show(fig.add_axes(rect), img, label, window, fontsize=5.5)
+        top -= math.ceil(len(tiles) / ncols) * row_h
     return _save(fig, out_png)
+
+
+def _split_name(name: str, width: int = 21) -> str:
+    """Break a long ``snake_case`` name into two lines at the last ``_`` that fits ``width``."""
+    if len(name) <= width:
+        return name
+    cut = name.rfind("_", 0, width)
+    return name if cut <= 0 else f"{name[:cut]}\n{name[cut:]}"
 
 
 def _wrap(names: Sequence[str], width: int = 22) -> str:
@@ -478,6 +501,9 @@ def run_policy_plot(args: argparse.Namespace) -> int:
     """Run ``jcsaug policy plot``: print the written paths; errors on stderr, exit status 2."""
     out = Path(args.output) if args.output else Path(args.path).with_suffix(".png")
     try:
+        _matplotlib()
+        if args.history:
+            read_policy_history(args.history)  # check the inputs before drawing anything
         written = [plot_policy(args.path, out, top_k=args.top_k, dpi=args.dpi)]
         if args.history:
             hist_out = out.with_name(f"{out.stem}_history.png")

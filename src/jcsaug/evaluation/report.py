@@ -1,0 +1,303 @@
+"""Paper-style comparison of methods (SPEC §6): mean metrics, average rank, paired Wilcoxon vs a baseline.
+
+Input: the ``per_case.csv`` of one or more run directories (written by
+:func:`jcsaug.evaluation.evaluate_cases`). Conventions:
+
+- **Method names**: with one run directory a method is named by the CSV's ``method`` column (``none``);
+  with several, ``<run dir name>/<method>`` (``tra_heuristic/none``), or ``<run dir path>/<method>`` when
+  two run directories share a name.
+- **Per-case value** of a metric: the mean over the selected foreground classes of the defined values
+  (undefined = NaN, see :mod:`jcsaug.evaluation.metrics`); undefined if no class is defined.
+- **Pairing**: every method must have been evaluated on the same case ids (compared exactly), else
+  :class:`ReportError` names the missing cases.
+- **Mean**: over the cases with a defined value; the number of undefined cases is reported.
+- **Rank** per metric: 1 = best mean (higher is better for Dice, sensitivity, precision; lower for HD95),
+  ties get the average rank (``scipy.stats.rankdata``), an undefined mean ranks last; the **average rank**
+  is the mean of these ranks over the metrics.
+- **p-value**: two-sided paired Wilcoxon signed-rank test (``scipy.stats.wilcoxon``, default zero
+  handling: zero differences dropped) of each method against the baseline on the per-case values; pairs
+  with an undefined value are dropped. It is 1.0 when all differences are zero, and NaN ("n/a") for the
+  baseline itself or without any pair.
+- **ΔDSC**: mean Dice minus the baseline's, in Dice points (×100) as in the paper's tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import rankdata, wilcoxon
+
+from jcsaug.evaluation.metrics import HIGHER_IS_BETTER, METRICS, nanmean
+from jcsaug.policy.io import atomic_write_text
+
+PER_CASE_CSV = "per_case.csv"
+LABELS = {"dice": "DSC", "sensitivity": "Sens.", "precision": "Prec.", "hd95": "HD95"}
+
+
+class ReportError(ValueError):
+    """Invalid input to the report (missing CSV, unknown baseline, unpaired cases ...)."""
+
+
+@dataclass
+class Report:
+    """The comparison table; every mapping is keyed by method name, then (where nested) by metric."""
+
+    baseline: str
+    metrics: tuple[str, ...]
+    methods: list[str]
+    cases: list[str]
+    means: dict[str, dict[str, float]]
+    ranks: dict[str, dict[str, float]]
+    average_rank: dict[str, float]
+    p_values: dict[str, dict[str, float]]
+    n_pairs: dict[str, dict[str, int]]
+    n_undefined: dict[str, dict[str, int]]
+    dice_improvement: dict[str, float]
+    classes: list[int] | None = None
+    values: dict[str, dict[str, list[float]]] = field(default_factory=dict, repr=False)
+
+    def rows(self) -> list[dict]:
+        """One flat dictionary per method (the CSV rows)."""
+        rows = []
+        for m in self.methods:
+            row: dict = {"method": m, "is_baseline": m == self.baseline, "n_cases": len(self.cases)}
+            for metric in self.metrics:
+                row[f"{metric}_mean"] = self.means[m][metric]
+                row[f"{metric}_rank"] = self.ranks[m][metric]
+                row[f"{metric}_p"] = self.p_values[m][metric]
+                row[f"{metric}_n_pairs"] = self.n_pairs[m][metric]
+                row[f"{metric}_n_undefined"] = self.n_undefined[m][metric]
+            row["average_rank"] = self.average_rank[m]
+            row["dice_improvement"] = self.dice_improvement[m]
+            rows.append(row)
+        return rows
+
+    def to_csv(self, path: str | Path | None = None) -> str:
+        """The table as CSV (full precision, undefined = ``nan``); written atomically to ``path`` if given."""
+        rows = self.rows()
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        if path is not None:
+            atomic_write_text(path, buffer.getvalue())
+        return buffer.getvalue()
+
+    def to_markdown(self) -> str:
+        """The paper-style Markdown table (percentages for Dice/sensitivity/precision, mm for HD95)."""
+        head = ["Method", *(_column(m) for m in self.metrics), "Avg. rank", "ΔDSC"]
+        head += [f"p {LABELS[m]}" for m in self.metrics]
+        best = {k: min(self.ranks[m][k] for m in self.methods) for k in self.metrics}  # bold, ties included
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+        for m in self.methods:
+            cells = [f"{m} (baseline)" if m == self.baseline else m]
+            for metric in self.metrics:
+                text = _format_value(metric, self.means[m][metric])
+                cells.append(f"**{text}**" if self.ranks[m][metric] == best[metric] and text != "n/a" else text)
+            cells += [f"{self.average_rank[m]:.2f}", f"{self.dice_improvement[m]:+.1f}"]
+            cells += [_format_p(self.p_values[m][metric]) for metric in self.metrics]
+            lines.append("| " + " | ".join(cells) + " |")
+        classes = "all foreground classes" if self.classes is None else f"classes {self.classes}"
+        lines += [
+            "",
+            f"{len(self.cases)} paired cases, per-case values averaged over {classes}. Ranks: 1 = best mean per "
+            "metric, ties averaged. p: two-sided paired Wilcoxon signed-rank test against the baseline "
+            "(undefined pairs dropped; 1 when all differences are zero). ΔDSC: Dice points vs the baseline.",
+        ]
+        undefined = [
+            f"{m}: {metric} {self.n_undefined[m][metric]}"
+            for m in self.methods
+            for metric in self.metrics
+            if self.n_undefined[m][metric]
+        ]
+        if undefined:
+            lines.append("Cases with an undefined value (left out of means and tests): " + "; ".join(undefined) + ".")
+        return "\n".join(lines) + "\n"
+
+
+def _column(metric: str) -> str:
+    return f"{LABELS[metric]} (mm)" if metric == "hd95" else f"{LABELS[metric]} (%)"
+
+
+def _format_value(metric: str, value: float) -> str:
+    if not math.isfinite(value):
+        return "n/a"
+    return f"{value:.2f}" if metric == "hd95" else f"{100 * value:.1f}"
+
+
+def _format_p(p: float) -> str:
+    if not math.isfinite(p):
+        return "—"
+    return "<0.001" if p < 1e-3 else f"{p:.3f}"
+
+
+def _float(text: str | None) -> float:
+    try:
+        return float(text) if text not in (None, "", "None", "null") else math.nan
+    except ValueError as error:
+        raise ReportError(f"not a number: {text!r}") from error
+
+
+def read_per_case(
+    path: str | Path, metrics: Sequence[str] = METRICS, classes: Sequence[int] | None = None
+) -> dict[str, dict[str, dict[str, float]]]:
+    """``{method: {metric: {case: value}}}`` from a ``per_case.csv``, values averaged over the classes."""
+    path = Path(path)
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"method", "case", "class", *metrics} - set(reader.fieldnames or [])
+        if missing:
+            raise ReportError(f"{path}: missing column(s) {sorted(missing)}")
+        collected: dict[str, dict[str, dict[str, list[float]]]] = {}
+        seen: dict[str, set[int]] = {}
+        for row in reader:
+            c = int(row["class"])
+            seen.setdefault(row["method"], set()).add(c)
+            if classes is not None and c not in classes:
+                continue
+            per_metric = collected.setdefault(row["method"], {m: {} for m in metrics})
+            for m in metrics:
+                per_metric[m].setdefault(row["case"], []).append(_float(row[m]))
+    if not seen:
+        raise ReportError(f"{path}: no rows")
+    if classes is not None:
+        for method, present in seen.items():
+            if set(classes) - present:
+                raise ReportError(f"{path}: method {method!r} has no class {sorted(set(classes) - present)}")
+    return {
+        method: {m: {case: nanmean(v) for case, v in per_metric[m].items()} for m in metrics}
+        for method, per_metric in collected.items()
+    }
+
+
+def _run_names(run_dirs: Sequence[Path]) -> list[str]:
+    names = [Path(d).name for d in run_dirs]
+    if len(set(names)) < len(names):
+        names = [Path(d).as_posix().rstrip("/") for d in run_dirs]
+    return names
+
+
+def _paired_p(method: Sequence[float], baseline: Sequence[float]) -> tuple[float, int]:
+    pairs = [(a, b) for a, b in zip(method, baseline) if math.isfinite(a) and math.isfinite(b)]
+    if not pairs:
+        return math.nan, 0
+    x, y = np.array(pairs).T
+    if np.all(x == y):
+        return 1.0, len(pairs)
+    return float(wilcoxon(x, y, alternative="two-sided").pvalue), len(pairs)
+
+
+def build_report(
+    run_dirs: Sequence[str | Path],
+    baseline: str,
+    metrics: Sequence[str] = METRICS,
+    classes: Sequence[int] | None = None,
+) -> Report:
+    """Compare the methods of ``run_dirs`` (each holding a ``per_case.csv``) against ``baseline``.
+
+    Args:
+        run_dirs: run directories; see the module docstring for how methods are named.
+        baseline: the method name the others are tested against.
+        metrics: metrics of the table, a subset of ``("dice", "sensitivity", "precision", "hd95")``.
+        classes: foreground classes to average over (e.g. ``[2]`` for KiTS tumour); None = all.
+    """
+    metrics = tuple(metrics)
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown or not metrics:
+        raise ReportError(f"unknown metric(s) {unknown}; choose from {list(METRICS)}")
+    if not run_dirs:
+        raise ReportError("no run directories given")
+    read_metrics = tuple(dict.fromkeys(("dice", *metrics)))  # Dice is always needed for ΔDSC
+    values: dict[str, dict[str, dict[str, float]]] = {}
+    names = _run_names([Path(d) for d in run_dirs])
+    for run_dir, run_name in zip(run_dirs, names):
+        csv_path = Path(run_dir) / PER_CASE_CSV
+        if not csv_path.is_file():
+            raise ReportError(f"{run_dir}: no {PER_CASE_CSV} (is it a run directory that was evaluated?)")
+        for method, per_metric in read_per_case(csv_path, read_metrics, classes).items():
+            values[method if len(run_dirs) == 1 else f"{run_name}/{method}"] = per_metric
+    methods = list(values)
+    if baseline not in values:
+        raise ReportError(f"unknown baseline {baseline!r}; methods are {methods}")
+
+    cases = sorted(values[baseline]["dice"])
+    for method in methods:
+        own = set(values[method]["dice"])
+        lacking, extra = sorted(set(cases) - own), sorted(own - set(cases))
+        if lacking or extra:
+            raise ReportError(
+                f"method {method!r} is not evaluated on the same cases as the baseline {baseline!r}: "
+                f"missing {lacking[:5]}{' ...' if len(lacking) > 5 else ''}, "
+                f"extra {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+            )
+    table = {m: {k: [values[m][k][case] for case in cases] for k in read_metrics} for m in methods}
+
+    means = {m: {k: nanmean(table[m][k]) for k in read_metrics} for m in methods}
+    ranks: dict[str, dict[str, float]] = {m: {} for m in methods}
+    for k in metrics:
+        sign = -1.0 if HIGHER_IS_BETTER[k] else 1.0
+        keys = [sign * means[m][k] if math.isfinite(means[m][k]) else math.inf for m in methods]
+        for m, r in zip(methods, rankdata(keys, method="average")):
+            ranks[m][k] = float(r)
+    p_values: dict[str, dict[str, float]] = {m: {} for m in methods}
+    n_pairs: dict[str, dict[str, int]] = {m: {} for m in methods}
+    for m in methods:
+        for k in metrics:
+            if m == baseline:
+                p_values[m][k], n_pairs[m][k] = math.nan, len(cases)
+            else:
+                p_values[m][k], n_pairs[m][k] = _paired_p(table[m][k], table[baseline][k])
+    return Report(
+        baseline=baseline,
+        metrics=metrics,
+        methods=methods,
+        cases=cases,
+        means={m: {k: means[m][k] for k in metrics} for m in methods},
+        ranks=ranks,
+        average_rank={m: float(np.mean([ranks[m][k] for k in metrics])) for m in methods},
+        p_values=p_values,
+        n_pairs=n_pairs,
+        n_undefined={m: {k: sum(1 for v in table[m][k] if not math.isfinite(v)) for k in metrics} for m in methods},
+        dice_improvement={m: 100.0 * (means[m]["dice"] - means[baseline]["dice"]) for m in methods},
+        classes=None if classes is None else [int(c) for c in classes],
+        values=table,
+    )
+
+
+def build_report_parser(p: argparse.ArgumentParser) -> None:
+    """Arguments of ``jcsaug report RUN_DIR [RUN_DIR ...] --baseline NAME``."""
+    p.description = "Compare evaluated runs (their per_case.csv): mean metrics, average rank, Wilcoxon vs a baseline."
+    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories with a per_case.csv")
+    p.add_argument(
+        "--baseline",
+        required=True,
+        help="baseline method: the CSV's method name with one RUN_DIR, else '<run dir name>/<method>'",
+    )
+    p.add_argument("-o", "--output", type=Path, help="write <OUTPUT>.md and <OUTPUT>.csv (default: Markdown to stdout)")
+    p.add_argument("--metrics", nargs="+", choices=METRICS, default=list(METRICS), help="metrics of the table")
+    p.add_argument("--classes", nargs="+", type=int, help="foreground classes to average over (default: all)")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Build the report; print it or write ``<output>.md``/``<output>.csv``. Exit code 2 on bad input."""
+    try:
+        report = build_report(args.run_dirs, args.baseline, metrics=args.metrics, classes=args.classes)
+    except ReportError as error:
+        print(f"jcsaug report: error: {error}", file=sys.stderr)
+        return 2
+    if args.output is None:
+        print(report.to_markdown(), end="")
+        return 0
+    markdown, table = Path(f"{args.output}.md"), Path(f"{args.output}.csv")
+    atomic_write_text(markdown, report.to_markdown())
+    report.to_csv(table)
+    print(f"wrote {markdown} and {table}")
+    return 0

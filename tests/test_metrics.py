@@ -1,0 +1,228 @@
+"""Per-case metrics (SPEC §6) against hand-computed values, empty-mask conventions, LCC and evaluate_cases."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from monai.data import MetaTensor
+from monai.inferers import Inferer, SimpleInferer
+from scipy import ndimage
+
+from jcsaug.evaluation import (
+    build_report,
+    case_dice,
+    case_metrics,
+    case_spacing,
+    evaluate_cases,
+    largest_connected_component,
+    summarize_cases,
+)
+
+
+def _vol(shape=(10, 10, 10)) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.long)
+
+
+def _brute_force_hd95(pred: np.ndarray, true: np.ndarray, spacing) -> float:
+    """Symmetric HD95 by hand: edges = mask minus its erosion, all pairwise distances in mm."""
+
+    def edge_points(mask):
+        padded = np.pad(mask, 1)
+        edges = padded & ~ndimage.binary_erosion(padded)
+        return np.argwhere(edges) * np.asarray(spacing, dtype=float)
+
+    p, t = edge_points(pred.astype(bool)), edge_points(true.astype(bool))
+    d = np.sqrt(((p[:, None, :] - t[None, :, :]) ** 2).sum(-1))
+    return float(max(np.percentile(d.min(1), 95), np.percentile(d.min(0), 95)))
+
+
+def test_overlapping_cubes_match_hand_computed_values():
+    pred, true = _vol(), _vol()
+    pred[2:6, 2:6, 2:6] = 1  # 64 voxels
+    true[2:8, 2:6, 2:6] = 1  # 96 voxels, containing the prediction: TP 64, FP 0, FN 32
+    m = case_metrics(pred, true, num_classes=2, spacing=(1.0, 1.0, 1.0))
+    assert m["dice"] == pytest.approx([2 * 64 / (64 + 96)])
+    assert m["sensitivity"] == pytest.approx([64 / 96])
+    assert m["precision"] == pytest.approx([1.0])
+    assert m["status"] == ["ok"]
+    # the true cube extends 2 voxels further along axis 0; with 2.5 mm there, HD95 <= 5 mm and > 0
+    m = case_metrics(pred, true, 2, spacing=(2.5, 1.0, 1.0))
+    assert 0 < m["hd95"][0] <= 5.0
+    assert m["hd95"][0] == pytest.approx(_brute_force_hd95(pred.numpy(), true.numpy(), (2.5, 1, 1)), abs=1e-4)
+    # agrees with the Dice used so far
+    logits = torch.nn.functional.one_hot(pred, 2).permute(3, 0, 1, 2)[None].float()
+    assert case_dice(logits, true[None, None], 2) == pytest.approx(m["dice"])
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_hd95_of_shifted_planes_uses_anisotropic_spacing(axis):
+    spacing = [1.0, 1.0, 1.0]
+    spacing[axis] = 3.0
+    pred, true = _vol((6, 6, 6)), _vol((6, 6, 6))
+    index = [slice(None)] * 3
+    index[axis] = 2
+    pred[tuple(index)] = 1
+    index[axis] = 3
+    true[tuple(index)] = 1
+    assert case_metrics(pred, true, 2, spacing)["hd95"] == pytest.approx([3.0])  # one voxel along the 3 mm axis
+    other = [0.5, 0.5, 0.5]
+    other[(axis + 1) % 3] = 3.0  # the 3 mm axis is another one: the planes are 0.5 mm apart
+    assert case_metrics(pred, true, 2, other)["hd95"] == pytest.approx([0.5])
+
+
+def test_hd95_matches_brute_force_on_irregular_masks():
+    rng = np.random.RandomState(0)
+    spacing = (0.8, 1.5, 3.0)
+    for _ in range(3):
+        pred = ndimage.binary_dilation(rng.rand(9, 8, 7) > 0.93, iterations=1)
+        true = ndimage.binary_dilation(rng.rand(9, 8, 7) > 0.93, iterations=1)
+        m = case_metrics(torch.as_tensor(pred.astype(np.int64)), true.astype(np.int64), 2, spacing)
+        assert m["hd95"][0] == pytest.approx(_brute_force_hd95(pred, true, spacing), rel=1e-5)
+
+
+def test_empty_mask_conventions():
+    true, pred = _vol(), _vol()
+    true[1:4, 1:4, 1:4] = 1  # class 1 only in the label
+    pred[6:9, 6:9, 6:9] = 2  # class 2 only in the prediction; class 3 absent from both
+    m = case_metrics(pred, true, num_classes=4, spacing=1.0)
+    assert m["status"] == ["prediction_empty", "label_empty", "both_empty"]
+    assert m["dice"] == [0.0, 0.0, 1.0]
+    assert m["sensitivity"][0] == 0.0 and math.isnan(m["sensitivity"][1]) and m["sensitivity"][2] == 1.0
+    assert math.isnan(m["precision"][0]) and m["precision"][1] == 0.0 and m["precision"][2] == 1.0
+    assert math.isnan(m["hd95"][0]) and math.isnan(m["hd95"][1]) and m["hd95"][2] == 0.0
+
+
+def test_summary_counts_undefined_values_instead_of_averaging_them():
+    rows = [
+        {"dice": [0.5, 1.0], "sensitivity": [0.5, math.nan], "precision": [1.0, 0.0], "hd95": [2.0, math.nan]},
+        {"dice": [0.7, 0.0], "sensitivity": [0.9, 0.0], "precision": [0.5, math.nan], "hd95": [4.0, math.nan]},
+    ]
+    s = summarize_cases(rows, num_classes=3)
+    assert s["dice"]["mean"] == pytest.approx((0.75 + 0.35) / 2) and s["dice"]["n_undefined"] == 0
+    assert s["sensitivity"]["per_class"] == pytest.approx([0.7, 0.0])
+    assert s["sensitivity"]["n_undefined"] == 1 and s["sensitivity"]["n_undefined_per_class"] == [0, 1]
+    assert s["sensitivity"]["mean"] == pytest.approx((0.5 + 0.45) / 2)
+    assert s["hd95"]["mean"] == pytest.approx(3.0) and s["hd95"]["n_undefined"] == 2
+    assert math.isnan(s["hd95"]["per_class"][1])
+
+
+def test_largest_component_removes_a_small_island_per_class():
+    pred, true = _vol(), _vol()
+    true[2:5, 2:5, 2:5] = 1
+    pred[2:5, 2:5, 2:5] = 1
+    pred[8, 8, 8] = 1  # an island of class 1
+    pred[0:2, 8:10, 0:2] = 2  # class 2: its only component stays
+    kept = largest_connected_component(pred, num_classes=3)
+    assert kept[8, 8, 8] == 0 and int((kept == 1).sum()) == 27 and int((kept == 2).sum()) == 8
+    assert case_metrics(pred, true, 3, 1.0)["precision"][0] == pytest.approx(27 / 28)
+    lcc = case_metrics(pred, true, 3, 1.0, keep_largest_component=True)
+    assert lcc["precision"][0] == pytest.approx(1.0) and lcc["hd95"][0] == pytest.approx(0.0)
+    assert lcc["status"] == ["ok", "label_empty"]
+    with pytest.raises(ValueError, match="outside 0..1"):
+        case_metrics(pred, true, 2, 1.0)
+
+
+def test_case_spacing_sources(tmp_path):
+    image = torch.zeros(1, 4, 5, 6)
+    assert case_spacing({"image": image, "sp": [2.0, 2.0, 3.0]}, {}, spacing_key="sp") == (
+        [2.0, 2.0, 3.0],
+        "data['sp']",
+    )
+    meta = MetaTensor(image, affine=torch.diag(torch.tensor([2.0, 3.0, 4.0, 1.0])))
+    assert case_spacing({"image": meta}, {})[0] == pytest.approx([2.0, 3.0, 4.0])
+    assert case_spacing({"image": image, "image_meta_dict": {"pixdim": [1, 0.5, 0.6, 0.7, 1]}}, {})[0] == pytest.approx(
+        [0.5, 0.6, 0.7]
+    )
+    path = tmp_path / "img.nii.gz"
+    nib.save(nib.Nifti1Image(np.zeros((4, 5, 6), np.float32), np.diag([1.0, 2.0, 3.0, 1.0])), path)
+    assert case_spacing({"image": image}, {"image": str(path)}) == ([1.0, 2.0, 3.0], "image file header")
+    # stored in LPS-like order (axes permuted): a loader reorienting to RAS sees the zooms permuted too
+    affine = np.array([[0, 0, 3.0, 0], [1.0, 0, 0, 0], [0, 2.0, 0, 0], [0, 0, 0, 1]])
+    nib.save(nib.Nifti1Image(np.zeros((4, 5, 6), np.float32), affine), path)
+    assert case_spacing({"image": image}, {"image": str(path)})[0] == pytest.approx([1.0, 2.0, 3.0])
+    assert case_spacing({"image": torch.zeros(1, 6, 4, 5)}, {"image": str(path)})[0] == pytest.approx([3.0, 1.0, 2.0])
+    assert case_spacing({"image": torch.zeros(1, 7, 7, 7)}, {"image": str(path)}) == (None, "unknown")
+
+
+class _EmptyInferer(Inferer):
+    """Predicts background everywhere."""
+
+    def __call__(self, inputs, network, *args, **kwargs):
+        logits = torch.zeros(inputs.shape[0], 2, *inputs.shape[2:])
+        logits[:, 0] = 1.0
+        return logits
+
+
+class _Oracle(torch.nn.Module):
+    """Logits whose argmax is the (binary) image itself."""
+
+    def forward(self, x):
+        return torch.cat([-x, x], dim=1)
+
+
+def test_evaluate_cases_writes_csv_and_summaries(tmp_path):
+    volumes = {}
+    for name, offset in (("a", 0), ("b", 2)):
+        label = torch.zeros(1, 8, 8, 8)
+        label[0, 2 + offset : 5 + offset, 2:5, 2:5] = 1
+        image = label.clone()
+        image[0, 0, 0, 0] = 1  # a false-positive island, removed by LCC
+        volumes[name] = {
+            "image": MetaTensor(image * 2 - 1, affine=torch.diag(torch.tensor([2.0, 1, 1, 1]))),
+            "label": label,
+        }
+    cases = [{"image": "a"}, {"image": "b"}]
+    inferers = {"none": SimpleInferer(), "empty": _EmptyInferer()}
+    out = tmp_path / "run" / "metrics.json"
+
+    def load(entry):
+        return volumes[entry["image"]]
+
+    metrics = evaluate_cases(_Oracle(), cases, load, inferers, 2, output_path=out, progress=False)
+
+    assert set(metrics) == {"none", "empty"}
+    none, empty = metrics["none"], metrics["empty"]
+    assert none["per_case"][0]["dice"] == pytest.approx([2 * 27 / 55])
+    assert none["per_case"][0]["precision"] == pytest.approx([27 / 28])
+    assert none["per_case"][0]["spacing"] == [2.0, 1.0, 1.0]
+    assert none["mean_dice"] == pytest.approx(2 * 27 / 55) and len(none["per_case"]) == 2
+    assert none["summary"]["hd95"]["n_undefined"] == 0
+    assert empty["mean_dice"] == 0.0
+    assert empty["summary"]["precision"]["n_undefined"] == 2 and math.isnan(empty["summary"]["precision"]["mean"])
+    assert empty["summary"]["hd95"]["n_undefined"] == 2 and empty["summary"]["sensitivity"]["mean"] == 0.0
+    assert empty["empty_cases"]["prediction_empty"] == [2]
+
+    written = json.loads(out.read_text())
+    assert written["empty"]["summary"]["precision"]["mean"] is None  # strict JSON: undefined -> null
+    assert written["none"]["per_case"][1]["mean_dice"] == pytest.approx(none["per_case"][1]["mean_dice"])
+    with (tmp_path / "run" / "per_case.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["method", "case", "class", "dice", "sensitivity", "precision", "hd95", "status"]
+    assert [(r["method"], r["case"], r["class"]) for r in rows] == [
+        ("none", "a", "1"), ("none", "b", "1"), ("empty", "a", "1"), ("empty", "b", "1"),
+    ]  # fmt: skip
+    assert rows[2]["precision"] == "nan" and rows[2]["status"] == "prediction_empty"
+
+    lcc = evaluate_cases(_Oracle(), cases, load, {"none": SimpleInferer()}, 2,
+                         keep_largest_component=True, csv_path=tmp_path / "lcc.csv", progress=False)  # fmt: skip
+    assert lcc["none"]["mean_dice"] == pytest.approx(1.0) and (tmp_path / "lcc.csv").is_file()
+
+    report = build_report([tmp_path / "run"], baseline="empty")
+    assert report.dice_improvement["none"] == pytest.approx(100 * 2 * 27 / 55)
+
+
+def test_evaluate_cases_warns_when_spacing_is_unknown():
+    data = {"image": torch.ones(1, 4, 4, 4), "label": torch.ones(1, 4, 4, 4)}
+    with pytest.warns(UserWarning, match="spacing unknown"):
+        metrics = evaluate_cases(_Oracle(), [{"image": "x"}], lambda e: data, {"none": SimpleInferer()}, 2,
+                                 progress=False)  # fmt: skip
+    assert metrics["none"]["per_case"][0]["spacing"] == [1.0, 1.0, 1.0]
+    metrics = evaluate_cases(_Oracle(), [{"image": "x"}], lambda e: data, {"none": SimpleInferer()}, 2,
+                             spacing=(1.0, 2.0, 3.0), progress=False)  # fmt: skip
+    assert metrics["none"]["per_case"][0]["spacing"] == [1.0, 2.0, 3.0]

@@ -1,0 +1,154 @@
+"""The comparison report (SPEC §6): means, ranks, average rank, paired Wilcoxon, ΔDSC — against hand computation."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from pathlib import Path
+
+import pytest
+from scipy.stats import wilcoxon
+
+from jcsaug.evaluation import METRICS, ReportError, build_report, build_report_parser, run_report
+
+NAN = math.nan
+CASES = ["c1", "c2", "c3", "c4", "c5"]
+# 3 methods x 4 metrics x 5 cases, one foreground class; A is the baseline.
+DATA = {
+    "A": {
+        "dice": [0.5, 0.6, 0.7, 0.8, 0.9],
+        "sensitivity": [0.75] * 5,
+        "precision": [0.9] * 5,
+        "hd95": [5.0] * 5,
+    },
+    "B": {
+        "dice": [0.60, 0.72, 0.78, 0.91, 0.99],  # A + (0.10, 0.12, 0.08, 0.11, 0.09): mean 0.8
+        "sensitivity": [0.5, 1.0, 0.75, 0.75, 0.75],  # mean 0.75, tied with A
+        "precision": [0.7] * 5,
+        "hd95": [2.0, 4.0, 3.0, 3.0, 3.0],  # mean 3
+    },
+    "C": {
+        "dice": [0.55, 0.58, 0.73, 0.81, 0.94],  # A + (0.05, -0.02, 0.03, 0.01, 0.04): mean 0.722
+        "sensitivity": [1.0, 0.75, 1.0, 0.75, 1.0],  # mean 0.9
+        "precision": [0.8] * 5,
+        "hd95": [3.0, 3.0, NAN, 3.0, 3.0],  # mean over defined 3 (tied with B), one undefined
+    },
+}
+
+
+def _write(run_dir: Path, data: dict, cases=CASES, classes=(1,)) -> Path:
+    """A per_case.csv as evaluate_cases writes it (every class gets the same values unless given per class)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "per_case.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["method", "case", "class", *METRICS, "status"])
+        for method, values in data.items():
+            for i, case in enumerate(cases):
+                for c in classes:
+                    row = [values[m][i][c - 1] if isinstance(values[m][i], list) else values[m][i] for m in METRICS]
+                    writer.writerow([method, case, c, *(repr(float(v)) for v in row), "ok"])
+    return run_dir
+
+
+def test_means_ranks_and_average_ranks_match_hand_computation(tmp_path):
+    report = build_report([_write(tmp_path / "run", DATA)], baseline="A")
+    assert report.methods == ["A", "B", "C"] and report.cases == CASES
+    assert report.means["B"]["dice"] == pytest.approx(0.8) and report.means["C"]["dice"] == pytest.approx(0.722)
+    assert report.means["C"]["hd95"] == pytest.approx(3.0) and report.n_undefined["C"]["hd95"] == 1
+    # by hand: dice B>C>A; sensitivity C > A = B; precision A>C>B; hd95 (lower better) B = C < A
+    expected = {
+        "A": {"dice": 3, "sensitivity": 2.5, "precision": 1, "hd95": 3},
+        "B": {"dice": 1, "sensitivity": 2.5, "precision": 3, "hd95": 1.5},
+        "C": {"dice": 2, "sensitivity": 1, "precision": 2, "hd95": 1.5},
+    }
+    assert report.ranks == expected
+    assert report.average_rank == pytest.approx({"A": 9.5 / 4, "B": 8 / 4, "C": 6.5 / 4})
+    assert report.dice_improvement == pytest.approx({"A": 0.0, "B": 10.0, "C": 2.2})
+
+
+def test_wilcoxon_p_values_match_hand_computation(tmp_path):
+    report = build_report([_write(tmp_path / "run", DATA)], baseline="A")
+    # B - A dice: 5 positive differences, exact two-sided p = 2 / 2^5
+    assert report.p_values["B"]["dice"] == pytest.approx(2 / 32)
+    # C - A dice: |d| ranks 5, 2, 3, 1, 4 with rank 2 negative: T = 2, P(T <= 2) = #{{}, {1}, {2}} / 32
+    assert report.p_values["C"]["dice"] == pytest.approx(2 * 3 / 32)
+    for method in "BC":
+        for metric in METRICS:
+            pairs = [(m, b) for m, b in zip(DATA[method][metric], DATA["A"][metric]) if not math.isnan(m)]
+            x, y = zip(*pairs)
+            assert report.p_values[method][metric] == pytest.approx(wilcoxon(x, y).pvalue), (method, metric)
+            assert report.n_pairs[method][metric] == len(pairs)
+    assert report.n_pairs["C"]["hd95"] == 4  # the undefined case is dropped from the pair
+    assert all(math.isnan(p) for p in report.p_values["A"].values())  # the baseline itself
+
+
+def test_identical_method_gets_p_one(tmp_path):
+    report = build_report([_write(tmp_path / "run", {"A": DATA["A"], "A2": DATA["A"]})], baseline="A")
+    assert report.p_values["A2"] == {m: 1.0 for m in METRICS}
+    assert report.ranks["A2"] == report.ranks["A"] == {m: 1.5 for m in METRICS}
+
+
+def test_per_case_values_average_classes_and_class_selection(tmp_path):
+    per_class = {
+        "A": {m: [[0.2, 0.4]] * 5 for m in METRICS},
+        "B": {m: [[0.3, NAN]] * 5 for m in METRICS},  # class 2 undefined: the case value is class 1's
+    }
+    run = _write(tmp_path / "run", per_class, classes=(1, 2))
+    report = build_report([run], baseline="A")
+    assert report.means["A"]["dice"] == pytest.approx(0.3) and report.means["B"]["dice"] == pytest.approx(0.3)
+    only_two = build_report([run], baseline="A", classes=[2])
+    assert only_two.means["A"]["dice"] == pytest.approx(0.4) and math.isnan(only_two.means["B"]["dice"])
+    assert only_two.n_undefined["B"]["dice"] == 5 and only_two.ranks["B"]["dice"] == 2  # undefined ranks last
+    with pytest.raises(ReportError, match=r"no class \[3\]"):
+        build_report([run], baseline="A", classes=[3])
+
+
+def test_several_run_dirs_name_methods_by_directory(tmp_path):
+    first = _write(tmp_path / "heuristic", {"none": DATA["A"], "tea": DATA["C"]})
+    second = _write(tmp_path / "learned", {"none": DATA["B"]})
+    report = build_report([first, second], baseline="heuristic/none", metrics=["dice", "hd95"])
+    assert report.methods == ["heuristic/none", "heuristic/tea", "learned/none"]
+    assert report.ranks["learned/none"] == {"dice": 1, "hd95": 1.5}
+    assert report.p_values["learned/none"]["dice"] == pytest.approx(2 / 32)
+    with pytest.raises(ReportError, match="unknown baseline 'none'.*heuristic/none"):
+        build_report([first, second], baseline="none")
+
+
+def test_markdown_and_csv_outputs(tmp_path):
+    report = build_report([_write(tmp_path / "run", DATA)], baseline="A")
+    markdown = report.to_markdown()
+    lines = markdown.splitlines()
+    assert lines[0].startswith("| Method | DSC (%) | Sens. (%) | Prec. (%) | HD95 (mm) | Avg. rank | ΔDSC | p DSC")
+    assert lines[2].startswith("| A (baseline) | 70.0 | 75.0 | **90.0** | 5.00 | 2.38 | +0.0 | — |")
+    assert lines[3].startswith("| B | **80.0** | 75.0 | 70.0 | **3.00** | 2.00 | +10.0 | 0.062 |")
+    assert "C: hd95 1" in markdown
+    rows = list(csv.DictReader(report.to_csv(tmp_path / "table.csv").splitlines()))
+    assert [r["method"] for r in rows] == ["A", "B", "C"]
+    assert float(rows[2]["average_rank"]) == pytest.approx(1.625) and rows[0]["dice_p"] == "nan"
+    assert (tmp_path / "table.csv").read_text().splitlines()[0].startswith("method,is_baseline,n_cases,dice_mean")
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    build_report_parser(parser)
+    return run_report(parser.parse_args(argv))
+
+
+def test_cli_prints_or_writes_and_reports_bad_input(tmp_path, capsys):
+    run = _write(tmp_path / "run", DATA)
+    assert _cli([str(run), "--baseline", "A"]) == 0
+    assert "| A (baseline) |" in capsys.readouterr().out
+    assert _cli([str(run), "--baseline", "A", "-o", str(tmp_path / "out" / "table")]) == 0
+    assert (tmp_path / "out" / "table.md").is_file() and (tmp_path / "out" / "table.csv").is_file()
+    capsys.readouterr()
+
+    assert _cli([str(tmp_path / "nowhere"), "--baseline", "A"]) == 2
+    assert "nowhere: no per_case.csv" in capsys.readouterr().err
+    assert _cli([str(run), "--baseline", "Z"]) == 2
+    assert "unknown baseline 'Z'; methods are ['A', 'B', 'C']" in capsys.readouterr().err
+
+    other = _write(tmp_path / "other", {"D": DATA["A"]}, cases=["c1", "c2", "c3", "c4", "x9"])
+    assert _cli([str(run), str(other), "--baseline", "run/A"]) == 2
+    err = capsys.readouterr().err
+    assert "'other/D'" in err and "missing ['c5']" in err and "extra ['x9']" in err
