@@ -1,46 +1,53 @@
 """Cost of learning the policies (SPEC §4-5, DESIGN "Cost of a policy update"), measured as ratios on the CPU.
 
-Command (from the repository root; about 4-5 min on 2 cores with the defaults)::
+Command (from the repository root; about 2.5 min on 2 quiet cores with the defaults, several times that
+on a loaded machine)::
 
     python benchmarks/bench_policy_learning.py
-    # defaults: --iterations 30 --batch 8 --patch 32 --copies 4 --threads <torch default> --seed 0
+    # defaults: --iterations 30 --batch 8 --patch 32 --copies 4 --threads <torch default> --clock wall --seed 0
 
 Setting: the default bundle's network (MONAI ``UNet`` channels [16, 32, 64], strides [2, 2],
-``num_res_units=1``, instance norm), SGD lr 0.01 momentum 0.99 Nesterov, ``DiceCELoss``; training
-batches of ``--batch`` patches of ``--patch``³ and validation batches of as many patches; Z = ``--copies``
-TEA copies of one patch. The batches are synthetic (noise plus bright spherical lesions, labels 0/1,
-half of the training patches centred on a lesion so both class groups occur, ``tra_ops`` drawn with
-``make_tra_policy("nnunet", 2).sample_ops``), precomputed in memory: no DataLoader, data loading is
-excluded. Every configuration runs an Ignite ``Engine`` whose step is a plain supervised step
-(forward, ``DiceCELoss``, backward, SGD step) on the *same* batches:
+``num_res_units=1``, instance norm), SGD lr 0.01 momentum 0.99 Nesterov, ``DiceCELoss``; training batches
+of ``--batch`` patches of ``--patch``³ and validation batches of as many patches (m = n); Z = ``--copies``
+TEA copies of one patch. The batches are synthetic (noise plus bright spherical lesions, labels 0/1, half
+of the patches centred on a lesion so both class groups occur, ``tra_ops`` drawn with
+``make_tra_policy("nnunet", 2).sample_ops``) and precomputed in memory: no DataLoader, data loading is
+excluded. Every configuration runs an Ignite ``Engine`` whose step is a plain supervised step (forward,
+``DiceCELoss``, backward, SGD step) on the *same* batches:
 
 * ``plain``: a fixed heuristic policy, no handler attached;
-* ``joint N=1`` / ``joint N=10``: the handlers of ``AugmentationSetup("class-specific", "joint")``
-  (``TRAPolicyUpdater`` with the TEA policy + ``TEAPolicyUpdater``, the bundle's policy lrs, val loss
+* ``joint N=1`` / ``joint N=10``: the handlers of ``AugmentationSetup("class-specific", "joint").handlers``
+  (``TRAPolicyUpdater`` with the TEA policy + ``TEAPolicyUpdater``; the bundle's policy lrs, val loss
   ``dice``, finite-difference hypergradient), both updating every 1 / every 10 iterations.
 
-What is printed:
+Paired timing (robust to a machine whose load drifts): each engine is interrupted after every iteration
+(``Engine.interrupt``) and resumed, so one *round* runs one iteration of every configuration and one of
+each bare pass below, in an order rotated round by round. A *cycle* is 10 rounds (one N=10 update); all
+models and SGD states are reset to the same start before each cycle (untimed); the first cycle warms up.
+Everything is computed per cycle from that cycle's own times, then the median over the cycles is printed.
+Both clocks are recorded: ``wall`` (``time.perf_counter``, the training time the targets are about; the
+default for the verdicts) and ``cpu`` (this process's CPU time, summed over its threads).
 
-1. seconds per iteration of each configuration and their ratios to ``plain``. Iterations run in blocks
-   of 10 (one ``Engine.run`` each, model and SGD state reset to the same start before every block,
-   untimed); the configurations' blocks alternate round by round (order rotated), one warm-up round
-   first; per-iteration time = median over the blocks of block time / 10. Clock: ``time.perf_counter``.
-2. the ratio implied by the extra passes alone. ``F_train`` (forward, no grad) and ``FB_train``
-   (forward + DiceCE + backward) on one training batch and ``F_tea`` (one no-grad forward of Z+1
-   copies of one patch) are timed directly, interleaved, medians; with ``FB_val = FB_train`` (m = n):
+1. seconds per iteration of each configuration and its ratio to ``plain``.
+2. the ratio implied by the extra passes alone. Bare passes on their own model: ``F_train`` (no-grad
+   forward + per-sample losses, training batch), ``FB_train`` (forward + DiceCE + backward, training
+   batch), ``F_tea`` (one no-grad forward of Z+1 copies of one patch, as ``predict_by_shape`` batches
+   them). With ``FB_val = FB_train`` (m = n):
    ``bound(1) = (FB_train + FB_val + 2 F_train + F_tea) / FB_train`` and
    ``bound(10) = (10 FB_train + FB_val + 2 F_train + F_tea) / (10 FB_train)``.
-   Target: measured ratio within 10 % of the bound (``measured / bound <= 1.10``).
-3. where the time of one joint N=1 iteration goes (a separate, untimed pass with timers patched
-   around ``TRAPolicyUpdater._snapshot`` / ``_validation_gradient``, ``tra_updater.tea_transform_batch``,
-   the ``HYPERGRADIENTS["finite-difference"]`` entry, ``TEAPolicyUpdater.update``,
-   ``tea_updater.predict_by_shape``, ``CategoricalPolicy.series_weights``, ``PolicyUpdater.step`` and
-   ``PolicyUpdater._log_changes``), per iteration.
-4. peak memory: each of ``plain`` and ``joint N=1`` runs again in a fresh subprocess (this script with
-   the hidden ``--config`` flag: same setup, one warm-up block + one block); ``ru_maxrss`` at the end is
-   the peak resident set. Target: joint / plain <= 1.3. The increase of the peak over the RSS after
-   set-up (imports, model, data: shared by both) is printed too, for information: it isolates what
-   training itself allocates, the closer analogue of a GPU's peak allocated memory.
+   Target: the measured ratio within 10 % of the bound (``measured / bound <= 1.10``).
+3. where the time of one joint N=1 iteration goes: in a fresh process (the one of 4.), timers (the
+   ``--clock``) patched around ``TRAPolicyUpdater._snapshot`` / ``_validation_gradient``,
+   ``tra_updater.tea_transform_batch``, the ``tra_updater.HYPERGRADIENTS["finite-difference"]`` entry (the
+   updater binds it when built), ``TEAPolicyUpdater.update``, ``tea_updater.predict_by_shape``,
+   ``CategoricalPolicy.series_weights``, ``PolicyUpdater.step`` / ``_log_changes`` / ``_run_update`` and
+   the trainer's step; one warm-up block of 10 iterations, then 10 timed iterations.
+4. peak memory: ``plain`` and ``joint N=1`` each run in a fresh subprocess (this script with the hidden
+   ``--config`` flag; same set-up; 2 blocks of 10 iterations). Peak = ``VmHWM`` of ``/proc/self/status``:
+   ``ru_maxrss`` is printed too but is not used, because a child started by this (large) process inherits
+   the parent's high-water mark across fork + exec. Target: joint / plain <= 1.3. The increase of the peak
+   over the RSS after set-up (imports, model, data) is printed for information: it isolates what training
+   itself allocates, the closer analogue of a GPU's peak allocated memory.
 
 The targets live here, never in timed tests. Compare numbers only from the same machine, same ``--threads``.
 """

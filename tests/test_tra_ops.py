@@ -159,3 +159,10 @@ def test_single_grid_resampling_equals_monai_affine():
             rotate_params=p.angles, scale_params=[p.scale] * 3, mode=mode, padding_mode="zeros", image_only=True
         )(x)
         torch.testing.assert_close(out, ref.as_tensor(), atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_op_name_is_named():
+    scale = TRA_SERIES[0]
+    assert scale.index_of("scale±[0.1,0.2)") == 2
+    with pytest.raises(KeyError, match=r"series 'scale' has no op 'zoom'"):
+        scale.index_of("zoom")

@@ -126,6 +126,20 @@ def _run_synthetic(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- report
+def _build_report(p: argparse.ArgumentParser) -> None:
+    from jcsaug.evaluation.report import build_report_parser
+
+    build_report_parser(p)
+
+
+@command("report", _build_report)
+def _run_report(args: argparse.Namespace) -> int:
+    from jcsaug.evaluation.report import run_report
+
+    return run_report(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jcsaug", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
