@@ -23,14 +23,25 @@ def command(name: str, build: Callable[[argparse.ArgumentParser], None]):
 
 # ----------------------------------------------------------------------------- ops
 def _build_ops(p: argparse.ArgumentParser) -> None:
-    which = p.add_mutually_exclusive_group(required=True)
+    which = p.add_mutually_exclusive_group()
     which.add_argument("--tra", action="store_true", help="the 15 training-time series (SPEC §2)")
     which.add_argument("--tea", action="store_true", help="the 84 test-time operations (SPEC §3)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = p.add_subparsers(dest="ops_command")
+    from jcsaug.viz import build_gallery_parser
+
+    build_gallery_parser(sub.add_parser("gallery", help="picture of the 84 TEA ops and TRA draws on one slice"))
 
 
 @command("ops", _build_ops)
 def _run_ops(args: argparse.Namespace) -> int:
+    if args.ops_command == "gallery":
+        from jcsaug.viz import run_gallery
+
+        return run_gallery(args)
+    if not (args.tra or args.tea):
+        print("jcsaug ops: give --tra or --tea (or the 'gallery' sub-command)", file=sys.stderr)
+        return 2
     if args.tra:
         from jcsaug.ops.tra import tra_catalogue_json
 
@@ -65,6 +76,9 @@ def _build_policy(p: argparse.ArgumentParser) -> None:
     show.add_argument("--preset", help="show an initial TRA preset instead (e.g. nnunet, deepmedic, uniform)")
     show.add_argument("--groups", type=int, default=2, help="class groups for --preset (default 2)")
     show.add_argument("--json", action="store_true", help="machine-readable output")
+    from jcsaug.viz import build_policy_plot_parser
+
+    build_policy_plot_parser(sub.add_parser("plot", help="picture of a policies.json (and its history)"))
 
 
 def _print_policies(data: dict) -> None:
@@ -82,6 +96,10 @@ def _print_policies(data: dict) -> None:
 
 @command("policy", _build_policy)
 def _run_policy(args: argparse.Namespace) -> int:
+    if args.policy_command == "plot":
+        from jcsaug.viz import run_policy_plot
+
+        return run_policy_plot(args)
     from jcsaug.policy.factory import make_tra_policy
     from jcsaug.policy.io import load_policies, policies_to_dict
 
