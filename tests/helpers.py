@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from ignite.engine import Engine
 from monai.networks.nets import UNet
+
+from jcsaug.engine import get_loss
 
 
 def tiny_unet(seed: int = 0) -> torch.nn.Module:
@@ -28,3 +31,20 @@ def lesion_batch(n: int = 4, size: int = 16, seed: int = 0, tra_policy=None) -> 
         groups = batch["class_group"].tolist()
         batch["tra_ops"] = torch.as_tensor(np.stack([tra_policy.sample_ops(g, rng) for g in groups]))
     return batch
+
+
+def train_engine(net: torch.nn.Module, opt: torch.optim.Optimizer, loss: str = "ce+dice", train: bool = True) -> Engine:
+    """A plain Ignite engine running a user's own supervised step (or no step with ``train=False``)."""
+    loss_fn = get_loss(loss)
+
+    def step(engine, batch):
+        if not train:
+            return 0.0
+        net.train()
+        opt.zero_grad()
+        value = loss_fn(net(batch["image"]), batch["label"]).mean()
+        value.backward()
+        opt.step()
+        return value.item()
+
+    return Engine(step)

@@ -7,12 +7,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from ignite.engine import Engine, Events
+from ignite.engine import Events
 from monai.engines import SupervisedTrainer
 from monai.handlers import CheckpointLoader, CheckpointSaver
 from monai.losses import DiceCELoss
 
-from helpers import lesion_batch, tiny_unet
+from helpers import lesion_batch, tiny_unet, train_engine
 from jcsaug.engine import (
     TEAPolicyUpdater,
     TRAPolicyUpdater,
@@ -22,20 +22,6 @@ from jcsaug.engine import (
     normalise_hypergradient,
 )
 from jcsaug.policy import make_tea_policy, make_tra_policy
-
-
-def _plain_engine(net, opt, loss="ce+dice"):
-    loss_fn = get_loss(loss)
-
-    def step(engine, batch):
-        net.train()
-        opt.zero_grad()
-        value = loss_fn(net(batch["image"]), batch["label"]).mean()
-        value.backward()
-        opt.step()
-        return value.item()
-
-    return Engine(step)
 
 
 def _val_gradient(net, batch):
@@ -80,7 +66,7 @@ def _run_updates(engine_kind: str, iterations: int = 3, **tra_kwargs):
         )  # fmt: skip
         engine.run()
     else:
-        engine = _plain_engine(net, opt)
+        engine = train_engine(net, opt)
         tra_updater.attach(engine)
         tea_updater.attach(engine)
         engine.run(data, max_epochs=1)
@@ -153,7 +139,7 @@ def test_bad_updates_are_skipped_with_one_warning(case, expected):
     elif case == "nan loss":
         val = [dict(val[0], image=torch.full_like(val[0]["image"], float("nan")))]
     updater = TRAPolicyUpdater(tra, net, val, opt, lr=0.05, val_loss=val_loss)
-    engine = _plain_engine(net, opt)
+    engine = train_engine(net, opt)
     updater.attach(engine)
     before = tra.logits.detach().clone()
     with warnings.catch_warnings(record=True) as caught:
@@ -171,7 +157,7 @@ def test_tea_update_skips_without_foreground():
     tea = make_tea_policy()
     val = [dict(lesion_batch(2), label=torch.zeros(2, 1, 16, 16, 16))]
     updater = TEAPolicyUpdater(tea, net, val, lr=0.05, num_copies=3)
-    engine = _plain_engine(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    engine = train_engine(net, torch.optim.SGD(net.parameters(), lr=0.01))
     updater.attach(engine)
     with pytest.warns(UserWarning, match="no validation patch with foreground"):
         engine.run([lesion_batch(2)], max_epochs=1)
@@ -190,7 +176,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="one series of 84 ops"):
         TEAPolicyUpdater(tra, net, [])
     updater = TRAPolicyUpdater(tra, net, [lesion_batch(2)], opt)
-    engine = _plain_engine(net, opt)
+    engine = train_engine(net, opt)
     updater.attach(engine)
     with pytest.raises(KeyError, match="no recorded TRA choices 'tra_ops'"):
         engine.run([lesion_batch(2)], max_epochs=1)

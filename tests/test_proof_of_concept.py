@@ -10,13 +10,12 @@ from __future__ import annotations
 import itertools
 
 import torch
-from ignite.engine import Engine
 from monai.data import MetaTensor, list_data_collate
 from monai.transforms import Flipd, Lambdad
 from monai.utils import set_determinism
 
-from helpers import lesion_batch, tiny_unet
-from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater, get_loss
+from helpers import lesion_batch, tiny_unet, train_engine
+from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater
 from jcsaug.policy import CategoricalPolicy, LearnableOneOfd
 
 BAD = {
@@ -27,22 +26,6 @@ BAD = {
     "plus 300": lambda x: x + 300,
 }
 NUM_GOOD = 3  # identity + two mirrors
-
-
-def _train_engine(net, opt, train: bool = True):
-    loss_fn = get_loss("ce+dice")
-
-    def step(engine, batch):
-        if not train:
-            return 0.0
-        net.train()
-        opt.zero_grad()
-        loss = loss_fn(net(batch["image"]), batch["label"]).mean()
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return Engine(step)
 
 
 def _bad_mass(policy: CategoricalPolicy) -> float:
@@ -67,7 +50,7 @@ def test_tra_learns_to_avoid_bad_ops():
 
     val = [lesion_batch(8, seed=10_000 + i) for i in range(4)]
     updater = TRAPolicyUpdater(policy, net, val, opt, lr=0.2, op_key="ops", val_loss="ce", seed=0)
-    engine = _train_engine(net, opt)
+    engine = train_engine(net, opt)
     updater.attach(engine)
     engine.run(batches(), max_epochs=1, epoch_length=60)
     set_determinism(None)
@@ -103,7 +86,7 @@ def test_tea_learns_to_avoid_bad_ops():
     set_determinism(seed=0)
     net = tiny_unet()
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
-    engine = _train_engine(net, opt)
+    engine = train_engine(net, opt)
     engine.run([lesion_batch(8, seed=i) for i in range(40)], max_epochs=1)  # a usable segmenter first
 
     ops = [_IntensityOp(lambda x: x), _FlipOp(0), _FlipOp(1)] + [_IntensityOp(fn) for fn in BAD.values()]
@@ -111,7 +94,7 @@ def test_tea_learns_to_avoid_bad_ops():
     initial = _bad_mass(policy)
     val = [lesion_batch(4, seed=20_000 + i) for i in range(4)]
     updater = TEAPolicyUpdater(policy, net, val, lr=0.2, num_copies=10, ops=ops, seed=0)
-    frozen = _train_engine(net, opt, train=False)
+    frozen = train_engine(net, opt, train=False)
     updater.attach(frozen)
     frozen.run([None] * 40, max_epochs=1)
     set_determinism(None)
