@@ -1,0 +1,35 @@
+"""Segmentation networks: DeepMedic (MONAI lacks it), valid-convolution tiling, and a factory for the rest."""
+
+from __future__ import annotations
+
+from jcsaug.networks.deepmedic import (
+    DeepMedic,
+    ValidConvSlidingWindowInferer,
+    centre_crop,
+    crop_label_to_output,
+    deepmedic_margin,
+)
+from jcsaug.networks.factory import (
+    NETWORKS,
+    NnUNetDynUNet,
+    deep_supervision_weights,
+    make_network,
+    network_patch_sizes,
+    nnunet_kernels_strides,
+    split_deep_supervision,
+)
+
+__all__ = [
+    "NETWORKS",
+    "DeepMedic",
+    "NnUNetDynUNet",
+    "ValidConvSlidingWindowInferer",
+    "centre_crop",
+    "crop_label_to_output",
+    "deep_supervision_weights",
+    "deepmedic_margin",
+    "make_network",
+    "network_patch_sizes",
+    "nnunet_kernels_strides",
+    "split_deep_supervision",
+]
