@@ -1,0 +1,355 @@
+"""A tiny, deterministic 3D lesion-segmentation task with a domain shift (the default bundle's data).
+
+Every case is a float32 volume (roughly z-scored) with a uint8 label (0 background, 1 lesion):
+
+* **background**: three "tissue" classes from a thresholded smooth noise field (soft boundaries, fine
+  texture), a smooth multiplicative bias field with a ramp along array axis 0, and Gaussian noise;
+* **distractors**: 2-5 round blobs about as bright as the lesions, so thresholding alone fails;
+* **lesions**: 2-6 elongated ellipsoids (long/short radius 2-3, random tilt up to 25 degrees), some with
+  an irregular boundary (the ellipsoid distance thresholded against smooth noise), textured and brighter
+  than their surroundings by 0.28-0.42 tissue units. The lesion sizes are drawn so that the foreground
+  is 1-3 % of the voxels (a case is redrawn until it is).
+
+Training cases come from the **source** domain, validation and test cases from the **target** domain.
+The shift is built from ops of the TRA catalogue (:mod:`jcsaug.ops.tra`), so that learned augmentation
+can undo it:
+
+==================  =========================================  =========================================
+aspect              source (training)                          target (validation, test)
+==================  =========================================  =========================================
+lesion long axis    array axis 0 (sagittal)                    array axis 2 (longitudinal): a 90-degree
+                                                               rotation about the frontal axis
+placement, bias     lesion centres in the low 60 % of axis 0,  mirrored in the sagittal plane (array
+                    bias field increasing along axis 0         axis 0 flipped): centres in the high 60 %
+intensity           z-scored                                   robustly rescaled to [0, 1], raised to a
+                                                               gamma in [1.4, 1.6), then z-scored
+==================  =========================================  =========================================
+
+Layout written under ``out_dir`` (file names are unique across splits, numbered training first)::
+
+    imagesTr/case_000.nii.gz ...   labelsTr/case_000.nii.gz ...   training   (source domain)
+    imagesVa/case_016.nii.gz ...   labelsVa/case_016.nii.gz ...   validation (target domain)
+    imagesTs/case_020.nii.gz ...   labelsTs/case_020.nii.gz ...   test       (target domain)
+    dataset.json                   MONAI datalist: "training", "validation", "test" + metadata
+
+Images and labels carry a 1 mm diagonal RAS affine. Case ``i`` of a split is drawn from its own seed
+(``SeedSequence(seed, spawn_key=(split, i))``), so it does not change when other counts change.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+from scipy import ndimage
+from tqdm.auto import tqdm
+
+__all__ = ["SPLITS", "make_synthetic_dataset", "synthesize_case"]
+
+#: split name -> (image folder, label folder, domain)
+SPLITS: dict[str, tuple[str, str, str]] = {
+    "training": ("imagesTr", "labelsTr", "source"),
+    "validation": ("imagesVa", "labelsVa", "target"),
+    "test": ("imagesTs", "labelsTs", "target"),
+}
+
+_DOMAINS = {
+    # long axis of the lesions, mirror along array axis 0, gamma range (None = no gamma)
+    "source": {"long_axis": 0, "mirror_axis0": False, "gamma": None},
+    "target": {"long_axis": 2, "mirror_axis0": True, "gamma": (1.4, 1.6)},
+}
+_FG_RANGE = (0.011, 0.029)  # accepted foreground fraction (inside the promised 1-3 %)
+_TISSUE_LEVELS = (0.35, 0.5, 0.7)
+_NOISE_STD = 0.035
+_MAX_TILT_DEG = 25.0
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _smooth_noise(rng: np.random.Generator, shape: Sequence[int], sigma: float) -> np.ndarray:
+    """Gaussian-smoothed white noise rescaled to zero mean and unit standard deviation."""
+    f = ndimage.gaussian_filter(rng.standard_normal(shape), sigma, mode="wrap")
+    return (f - f.mean()) / (f.std() + 1e-12)
+
+
+def _random_rotation(rng: np.random.Generator, max_deg: float) -> np.ndarray:
+    """A rotation matrix about a random axis by an angle up to ``max_deg`` degrees (Rodrigues)."""
+    axis = rng.standard_normal(3)
+    axis /= np.linalg.norm(axis) + 1e-12
+    angle = math.radians(rng.uniform(-max_deg, max_deg))
+    k = np.array([[0, -axis[2], axis[1]], [axis[2], 0, -axis[0]], [-axis[1], axis[0], 0]])
+    return np.eye(3) + math.sin(angle) * k + (1 - math.cos(angle)) * (k @ k)
+
+
+def _ellipsoid_mask(
+    shape: Sequence[int],
+    centre: np.ndarray,
+    radii: np.ndarray,
+    rot: np.ndarray,
+    boundary_noise: np.ndarray | None = None,
+    irregularity: float = 0.0,
+) -> tuple[tuple[slice, ...], np.ndarray]:
+    """Mask of a rotated ellipsoid inside its bounding box; returns ``(box slices, mask)``."""
+    reach = float(radii.max()) * (1.0 + irregularity) + 1.0
+    lo = np.maximum(np.floor(centre - reach).astype(int), 0)
+    hi = np.minimum(np.ceil(centre + reach).astype(int) + 1, np.asarray(shape))
+    box = tuple(slice(int(a), int(b)) for a, b in zip(lo, hi))
+    grids = np.meshgrid(*[np.arange(a, b, dtype=np.float64) - c for a, b, c in zip(lo, hi, centre)], indexing="ij")
+    local = np.einsum("ji,j...->i...", rot, np.stack(grids))  # coordinates in the ellipsoid's frame (R^T x)
+    dist = np.sqrt(sum((local[i] / radii[i]) ** 2 for i in range(3)))
+    threshold = 1.0 if boundary_noise is None else 1.0 + irregularity * boundary_noise[box]
+    mask = dist < threshold
+    if irregularity > 0:  # the noisy threshold may leave islands: keep the largest piece
+        pieces, n = ndimage.label(mask)
+        if n > 1:
+            mask = pieces == 1 + int(np.argmax(np.bincount(pieces.ravel())[1:]))
+    return box, mask
+
+
+def _place(
+    rng: np.random.Generator,
+    occupied: np.ndarray,
+    radii: np.ndarray,
+    rot: np.ndarray,
+    axis0_span: tuple[float, float],
+    boundary_noise: np.ndarray | None,
+    irregularity: float,
+    tries: int = 60,
+) -> tuple[tuple[slice, ...], np.ndarray] | None:
+    """Place a shape without touching ``occupied`` (one voxel gap); ``None`` if no place was found."""
+    shape = np.asarray(occupied.shape)
+    margin = np.minimum(np.ceil(radii.max()) + 1, shape / 2 - 1)
+    lo, hi = margin, shape - 1 - margin
+    for _ in range(tries):
+        centre = rng.uniform(lo, hi)
+        centre[0] = lo[0] + (hi[0] - lo[0]) * rng.uniform(*axis0_span)
+        box, mask = _ellipsoid_mask(occupied.shape, centre, radii, rot, boundary_noise, irregularity)
+        if mask.sum() == 0:
+            continue
+        if not (ndimage.binary_dilation(mask, iterations=1) & occupied[box]).any():
+            return box, mask
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- one case
+def _lesion_label(rng: np.random.Generator, shape: tuple[int, int, int], long_axis: int) -> np.ndarray | None:
+    """2-6 non-touching elongated lesions covering a drawn 1.4-2.6 % of the volume (``None``: redraw)."""
+    n_vox = float(np.prod(shape))
+    n_lesions = int(rng.integers(2, 7))
+    shares = 0.5 / n_lesions + 0.5 * rng.dirichlet(np.full(n_lesions, 2.0))  # each >= half an equal share
+    volumes = rng.uniform(0.014, 0.026) * n_vox * shares
+    boundary_noise = _smooth_noise(rng, shape, 1.5)
+    label = np.zeros(shape, dtype=bool)
+    for volume in sorted(volumes, reverse=True):
+        elong = rng.uniform(2.0, 3.0)
+        short = rng.uniform(0.85, 1.15, size=2)
+        b = (volume / (4.0 / 3.0 * math.pi * elong * short[0] * short[1])) ** (1.0 / 3.0)
+        radii = np.empty(3)
+        radii[long_axis] = elong * b
+        radii[[i for i in range(3) if i != long_axis]] = short * b
+        irregularity = rng.choice([0.0, rng.uniform(0.1, 0.3)])
+        placed = _place(
+            rng, label, radii, _random_rotation(rng, _MAX_TILT_DEG), (0.0, 0.6), boundary_noise, irregularity
+        )
+        if placed is None:
+            return None
+        box, mask = placed
+        label[box] |= mask
+    return label
+
+
+def synthesize_case(
+    rng: np.random.Generator, shape: tuple[int, int, int] = (48, 48, 48), domain: str = "source"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Draw one case of ``domain`` (``"source"`` or ``"target"``): ``(float32 image, uint8 label)``."""
+    if domain not in _DOMAINS:
+        raise ValueError(f"domain must be one of {sorted(_DOMAINS)}, got {domain!r}")
+    cfg = _DOMAINS[domain]
+    shape = tuple(int(s) for s in shape)
+    for _ in range(25):
+        label = _lesion_label(rng, shape, cfg["long_axis"])
+        if label is not None and _FG_RANGE[0] <= label.mean() <= _FG_RANGE[1]:
+            break
+    else:  # pragma: no cover - the sizes are drawn inside the range; only degenerate shapes get here
+        raise RuntimeError(f"could not draw lesions with a 1-3 % foreground in shape {shape}")
+
+    # Tissue: three classes from thresholded smooth noise, soft boundaries, fine texture.
+    field = _smooth_noise(rng, shape, max(shape) / 10.0)
+    tissue = np.choose(np.digitize(field, [-0.5, 0.6]), _TISSUE_LEVELS)
+    image = ndimage.gaussian_filter(tissue, 1.0) + 0.03 * _smooth_noise(rng, shape, 1.0)
+
+    # Distractors: round blobs as bright as (slightly dimmer than) the lesions, away from them.
+    lesion_scale = (label.sum() / 4.0 / (4.0 / 3.0 * math.pi)) ** (1.0 / 3.0)
+    blobs = np.zeros(shape)
+    occupied = label.copy()
+    for _ in range(int(rng.integers(2, 6))):
+        radii = np.full(3, lesion_scale * rng.uniform(0.9, 1.4))
+        placed = _place(rng, occupied, radii, np.eye(3), (0.0, 1.0), None, 0.0, tries=20)
+        if placed is not None:
+            box, mask = placed
+            occupied[box] |= mask
+            blobs[box] += mask * rng.uniform(0.12, 0.28)
+    # Lesions: textured, 0.28-0.42 brighter than the tissue they sit in; partial-volume edges.
+    components, n = ndimage.label(label)
+    contrast = np.concatenate([[0.0], rng.uniform(0.28, 0.42, size=n)])[components]
+    contrast *= 1.0 + 0.15 * _smooth_noise(rng, shape, 1.0)
+    image += ndimage.gaussian_filter(blobs + contrast, 0.6)
+
+    # Bias field: a ramp along array axis 0 and a smooth random part; then noise.
+    ramp = np.linspace(-1.0, 1.0, shape[0])[:, None, None]
+    image *= 1.0 + 0.12 * ramp + 0.06 * _smooth_noise(rng, shape, max(shape) / 4.0)
+    image += rng.normal(0.0, _NOISE_STD, size=shape)
+
+    if cfg["mirror_axis0"]:
+        image, label = image[::-1], label[::-1]
+    if cfg["gamma"] is not None:
+        lo, hi = np.percentile(image, [0.5, 99.5])
+        image = np.clip((image - lo) / (hi - lo), 0.0, 1.0) ** rng.uniform(*cfg["gamma"])
+    image = (image - image.mean()) / (image.std() + 1e-8)
+    return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
+
+
+# ----------------------------------------------------------------------------------------------- files
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _check_shape(shape: object) -> tuple[int, int, int]:
+    try:
+        dims = tuple(shape)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"shape must be a sequence of 3 integers >= 16, got {shape!r}") from None
+    if len(dims) != 3 or any(isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 16 for d in dims):
+        raise ValueError(f"shape must be a sequence of 3 integers >= 16, got {shape!r}")
+    return tuple(int(d) for d in dims)  # type: ignore[return-value]
+
+
+def _write_nifti(path: Path, array: np.ndarray) -> None:
+    """Write a NIfTI with a 1 mm RAS affine; gzip without timestamp (same array -> same bytes), atomic."""
+    img = nib.Nifti1Image(array, np.eye(4))
+    img.header.set_xyzt_units("mm")
+    img.set_qform(np.eye(4), code=1)
+    img.set_sform(np.eye(4), code=1)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(gzip.compress(img.to_bytes(), compresslevel=6, mtime=0))
+    os.replace(tmp, path)
+
+
+def _existing_matches(json_path: Path, expected: dict) -> bool | None:
+    """``None`` if the datalist is unreadable, else whether its metadata matches ``expected``."""
+    try:
+        meta = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return all(meta.get(k) == v for k, v in expected.items())
+
+
+def make_synthetic_dataset(
+    out_dir: str | Path,
+    num_train: int = 16,
+    num_val: int = 4,
+    num_test: int = 6,
+    shape: tuple[int, int, int] = (48, 48, 48),
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write the synthetic lesion dataset (layout and domain shift in the module docstring).
+
+    Args:
+        out_dir: folder to write into (created if missing).
+        num_train, num_val, num_test: number of cases per split (positive).
+        shape: spatial shape of every volume, three sizes >= 16.
+        seed: non-negative integer; the same seed gives identical arrays.
+        overwrite: regenerate even if ``out_dir/dataset.json`` exists (stale ``case_*.nii.gz`` of the
+            six split folders are removed first).
+        progress: show a tqdm progress bar.
+
+    Returns:
+        The path of ``dataset.json``. If it already exists and ``overwrite`` is False it is returned
+        as is (a warning is issued if it was made with other arguments). It is written last and
+        atomically, so an interrupted generation never looks finished.
+    """
+    counts = {
+        "training": _check_count("num_train", num_train),
+        "validation": _check_count("num_val", num_val),
+        "test": _check_count("num_test", num_test),
+    }
+    dims = _check_shape(shape)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"out_dir {str(out)!r} exists and is not a directory")
+    json_path = out / "dataset.json"
+    expected = {"seed": int(seed), "shape": list(dims), **{f"num_{k}": v for k, v in counts.items()}}
+
+    if json_path.is_file() and not overwrite:
+        matches = _existing_matches(json_path, expected)
+        if matches is not None:
+            if not matches:
+                warnings.warn(
+                    f"{json_path} exists but was not made with {expected}; returning it unchanged "
+                    "(pass overwrite=True to regenerate)",
+                    stacklevel=2,
+                )
+            return json_path
+
+    out.mkdir(parents=True, exist_ok=True)
+    json_path.unlink(missing_ok=True)
+    for img_dir, lbl_dir, _ in SPLITS.values():
+        for sub in (img_dir, lbl_dir):
+            (out / sub).mkdir(exist_ok=True)
+            if overwrite:
+                for stale in (out / sub).glob("case_*.nii.gz"):
+                    stale.unlink()
+
+    datalist: dict[str, list[dict[str, str]]] = {}
+    case_id = 0
+    with tqdm(total=sum(counts.values()), desc="synthetic dataset", unit="case", disable=not progress) as bar:
+        for split_idx, (split, (img_dir, lbl_dir, domain)) in enumerate(SPLITS.items()):
+            entries = []
+            for i in range(counts[split]):
+                rng = np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(split_idx, i)))
+                image, label = synthesize_case(rng, dims, domain)
+                name = f"case_{case_id:03d}.nii.gz"
+                _write_nifti(out / img_dir / name, image)
+                _write_nifti(out / lbl_dir / name, label)
+                entries.append({"image": f"{img_dir}/{name}", "label": f"{lbl_dir}/{name}"})
+                case_id += 1
+                bar.update(1)
+            datalist[split] = entries
+
+    meta = {
+        "name": "jcsaug-synthetic-lesions",
+        "description": (
+            "Synthetic 3D lesion segmentation with a domain shift: training = source domain; validation "
+            "and test = target domain (lesion long axis rotated from array axis 0 to 2, placement and bias "
+            "field mirrored along axis 0, gamma 1.4-1.6 on the [0, 1]-rescaled image)."
+        ),
+        "reference": "jcsaug.data.synthetic.make_synthetic_dataset",
+        "tensorImageSize": "3D",
+        "modality": {"0": "synthetic"},
+        "labels": {"0": "background", "1": "lesion"},
+        **expected,
+        "domain": {split: SPLITS[split][2] for split in SPLITS},
+        "domain_shift": {
+            "lesion_long_axis": {"source": 0, "target": 2},
+            "mirror_axis": {"source": None, "target": 0},
+            "gamma": {"source": None, "target": list(_DOMAINS["target"]["gamma"])},
+        },
+        **datalist,
+    }
+    tmp = json_path.with_name(f".dataset.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, json_path)
+    return json_path
