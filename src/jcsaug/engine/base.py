@@ -111,21 +111,23 @@ class PolicyUpdater:
         self.updates = 0
         self.skipped = 0
         self._warned: set[str] = set()
-        self.last_changes: list[tuple[str, float]] = []
+        self.last_changes: list[tuple[str, float]] = []  # (series/op, signed change), when INFO logging is on
 
     # ------------------------------------------------------------------ ignite
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.ITERATION_COMPLETED(every=self.update_every), self._run_update)
 
     def _run_update(self, engine: Engine) -> None:
-        before = [p.clone() for p in self.policy.probabilities()]
+        log = logger.isEnabledFor(logging.INFO)  # the change summary is only worth computing if it is shown
+        before = self.policy.probabilities() if log else None
         try:
             self.update(engine)
         except SkipUpdate as reason:
             self.skip(str(reason))
             return
         self.updates += 1
-        self._log_changes(engine, before)
+        if before is not None:
+            self._log_changes(engine, before)
 
     def update(self, engine: Engine) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

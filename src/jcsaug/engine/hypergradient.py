@@ -45,12 +45,14 @@ def finite_difference_hypergradient(
     loss_fn: PerSampleLoss,
     lr: float,
     r: float = 0.01,
+    v_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``g_i = -lr * (dL_train(theta+)/dw_i - dL_train(theta-)/dw_i) / (2 eps)``, ``eps = r / ||v||``.
 
     ``L_train = (1/n) sum_i w_i l_i`` so ``dL_train/dw_i = l_i / n``. Returns ``[n]`` (float64).
+    ``v_norm`` may pass ``||v||`` when the caller has it already.
     """
-    eps = r / flat_norm(v)
+    eps = r / (flat_norm(v) if v_norm is None else v_norm)
     buffers = dict(model.named_buffers())
     with torch.no_grad():
         plus = {k: theta[k] + eps * v[k] for k in theta}
@@ -69,8 +71,12 @@ def jvp_hypergradient(
     label: torch.Tensor,
     loss_fn: PerSampleLoss,
     lr: float,
+    v_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact ``g_i = -lr/n * grad l_i(theta) . v`` by one forward-mode JVP. Returns ``[n]`` (float64)."""
+    """Exact ``g_i = -lr/n * grad l_i(theta) . v`` by one forward-mode JVP. Returns ``[n]`` (float64).
+
+    ``v_norm`` is accepted for a common signature with the finite difference and not needed.
+    """
     buffers = dict(model.named_buffers())
     names = list(theta)
 

@@ -183,7 +183,7 @@ class TRAPolicyUpdater(PolicyUpdater):
             norm = flat_norm(v)
             if not torch.isfinite(norm) or norm == 0:
                 raise SkipUpdate(f"validation gradient norm is {float(norm)}")
-            g = self.hypergradient(self.model, self._theta, v, image, label, self.train_loss, self._alpha)
+            g = self.hypergradient(self.model, self._theta, v, image, label, self.train_loss, self._alpha, v_norm=norm)
         finally:
             self.model.train(was_training)
             self._theta = None
