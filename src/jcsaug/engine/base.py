@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import ignite.distributed as idist
@@ -72,7 +73,7 @@ class ValidationStream:
         return None
 
 
-class PolicyUpdater:
+class PolicyUpdater(ABC):
     """Base of the Ignite handlers that update a policy every ``update_every`` iterations.
 
     Args:
@@ -129,8 +130,9 @@ class PolicyUpdater:
         if before is not None:
             self._log_changes(engine, before)
 
-    def update(self, engine: Engine) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def update(self, engine: Engine) -> None:
+        """One policy update; raise :class:`SkipUpdate` to skip it."""
 
     # ------------------------------------------------------------------ helpers
     @property
