@@ -23,14 +23,7 @@ from jcsaug.networks import (
 )
 from jcsaug.networks.deepmedic import _add_residual
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny 3D convs are faster (and immune to CPU contention) on one intra-op thread; restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 TINY = {"feature_maps": (4,) * 8, "fc_feature_maps": (6, 6)}

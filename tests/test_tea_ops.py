@@ -21,13 +21,7 @@ SPATIAL_OPS = [op for op in TEA_OPS if op.is_spatial]
 INTENSITY_OPS = [op for op in TEA_OPS if not op.is_spatial]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """The volumes here are tiny: one intra-op thread is faster than contended threads (oneDNN conv3d)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _ids(ops: list[TEAOp]) -> list[str]:
