@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 from ignite.engine import Engine
 from monai.networks.nets import UNet
 
+from jcsaug.data import make_synthetic_dataset
 from jcsaug.engine import get_loss
+
+CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs"
 
 
 def tiny_unet(seed: int = 0) -> torch.nn.Module:
@@ -48,3 +55,23 @@ def train_engine(net: torch.nn.Module, opt: torch.optim.Optimizer, loss: str = "
         return value.item()
 
     return Engine(step)
+
+
+def small_dataset(tmp_path: Path) -> None:
+    """A smaller dataset than the bundle's default, generated first: the bundle then reuses it."""
+    make_synthetic_dataset(tmp_path / "data", num_train=4, num_val=2, num_test=2, shape=(32, 32, 32), progress=False)
+
+
+def run_bundle(tmp_path: Path, *configs: str, **overrides) -> subprocess.CompletedProcess:
+    files = [str(CONFIGS / c) for c in configs]
+    config_file = files[0] if len(files) == 1 else str(files)
+    args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", config_file,
+            "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf")]  # fmt: skip
+    # patches smaller than small_dataset's 32³ volumes, so crops centre on both classes (both class groups)
+    defaults = {"dataset_dir": tmp_path / "data", "output_dir": tmp_path / "run", "patch_size": "[24,24,24]"}
+    overrides = {**defaults, **overrides}
+    for key, value in overrides.items():
+        args += [f"--{key}", str(value)]
+    result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result

@@ -1,6 +1,12 @@
 """Ignite handlers that learn TRA and TEA policies during training, and the maths behind them."""
 
-from jcsaug.engine.checkpoints import latest_checkpoint
+from jcsaug.engine.checkpoints import (
+    AtomicCheckpointSaver,
+    SafeCheckpointLoader,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint_atomic,
+)
 from jcsaug.engine.export import PolicyExporter
 from jcsaug.engine.hypergradient import (
     finite_difference_hypergradient,
@@ -10,14 +16,22 @@ from jcsaug.engine.hypergradient import (
 from jcsaug.engine.losses import LOSSES, get_loss
 from jcsaug.engine.modes import TEA_MODES, TRA_MODES, AugmentationSetup
 from jcsaug.engine.posthoc import learn_tea_posthoc
+from jcsaug.engine.resume import EpochReseeder, ResumeCheckpoint, StopAfterEpochs
 from jcsaug.engine.tea_updater import TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRAPolicyUpdater
 
 __all__ = [
+    "AtomicCheckpointSaver",
+    "SafeCheckpointLoader",
+    "load_checkpoint",
+    "save_checkpoint_atomic",
     "LOSSES",
     "TEA_MODES",
     "TRA_MODES",
     "AugmentationSetup",
+    "EpochReseeder",
+    "ResumeCheckpoint",
+    "StopAfterEpochs",
     "PolicyExporter",
     "TEAPolicyUpdater",
     "TRAPolicyUpdater",

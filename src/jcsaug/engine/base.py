@@ -14,6 +14,7 @@ import torch
 from ignite.engine import Engine, Events
 from monai.data import list_data_collate
 from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from jcsaug.policy.categorical import CategoricalPolicy
 
@@ -52,12 +53,21 @@ def make_prepare_batch(image_key: str = "image", label_key: str = "label") -> Pr
     return prepare
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The network inside a ``DistributedDataParallel`` (or ``DataParallel``) wrapper; others as they are."""
+    return model.module if isinstance(model, (DistributedDataParallel, DataParallel)) else model
+
+
 class ValidationStream:
     """Endless iteration over a validation loader (a new pass starts when one ends)."""
 
     def __init__(self, loader: Iterable | None) -> None:
         self.loader = loader
         self._it: Iterator | None = None
+
+    def restart(self) -> None:
+        """Start the next batch from a fresh pass over the loader."""
+        self._it = None
 
     def next(self) -> Mapping | None:
         """The next batch, or ``None`` if the loader yields nothing at all."""
@@ -83,9 +93,18 @@ class PolicyUpdater(ABC):
         update_every: update on every N-th iteration.
         poly_power: the policy lr decays as ``lr * (1 - t / T) ** poly_power`` over the run, like the
             model's; ``0`` keeps it constant.
-        seed: seed of the update's own random stream (Gumbel noise, TEA op draws).
+        seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
+            run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.
+
+    Distributed runs (``torch.distributed`` initialised, world size > 1): every update is collective. The
+    ranks' policy gradients (and drawn-op masks) are all-reduced before each Adam step, so the policies
+    stay identical on every rank; a rank that skips an update still joins the all-reduce (with no
+    gradient) and steps with the others' mean. Set ``sync_ranks = False`` for an updater run on one rank
+    only (e.g. post-hoc TEA learning during a rank-0 evaluation).
     """
+
+    sync_ranks: bool = True
 
     def __init__(
         self,
@@ -102,7 +121,7 @@ class PolicyUpdater(ABC):
         if lr < 0 or not math.isfinite(lr):
             raise ValueError(f"policy learning rate must be finite and >= 0, got {lr}")
         self.policy = policy
-        self.model = model
+        self.wrapped_model = model
         self.base_lr = float(lr)
         self.update_every = int(update_every)
         self.poly_power = float(poly_power)
@@ -113,6 +132,23 @@ class PolicyUpdater(ABC):
         self.skipped = 0
         self._warned: set[str] = set()
         self.last_changes: list[tuple[str, float]] = []  # (series/op, signed change), when INFO logging is on
+        self._synced = False  # whether this update has joined the ranks' all-reduce
+
+    @property
+    def model(self) -> nn.Module:
+        """The network the extra (meta) passes run on: the trainer's network, unwrapped from DDP.
+
+        The meta passes must not go through ``DistributedDataParallel``: its forward would prepare the
+        gradient reducer for a backward that never comes (``autograd.grad`` / ``functional_call`` /
+        ``no_grad`` passes), which breaks the trainer's next iteration, and it may broadcast buffers, a
+        collective that deadlocks as soon as one rank skips an update. The wrapped module shares its
+        parameters with the wrapper, so ``theta`` snapshots and the trainer's steps see the same tensors.
+        """
+        return unwrap_model(self.wrapped_model)
+
+    @property
+    def distributed(self) -> bool:
+        return self.sync_ranks and idist.get_world_size() > 1
 
     # ------------------------------------------------------------------ ignite
     def attach(self, engine: Engine) -> None:
@@ -121,11 +157,17 @@ class PolicyUpdater(ABC):
     def _run_update(self, engine: Engine) -> None:
         log = logger.isEnabledFor(logging.INFO)  # the change summary is only worth computing if it is shown
         before = self.policy.probabilities() if log else None
+        self._synced = False
         try:
             self.update(engine)
         except SkipUpdate as reason:
             self.skip(str(reason))
-            return
+            if not self.distributed or self._synced:
+                return
+            try:  # join the other ranks' all-reduce without a gradient, and step with their mean
+                self._apply_gradient(engine, None, None)
+            except SkipUpdate:
+                return
         self.updates += 1
         if before is not None:
             self._log_changes(engine, before)
@@ -165,13 +207,21 @@ class PolicyUpdater(ABC):
         self.optimizer.zero_grad(set_to_none=True)
         surrogate.backward()
         grad = self.policy.logits.grad
-        if grad is None:
+        if grad is None and not self.distributed:
             raise SkipUpdate("no gradient reached the policy")
-        if idist.get_world_size() > 1:
-            # keep the policies identical on every rank: average their gradients before stepping
-            grad.copy_(idist.all_reduce(grad.clone()) / idist.get_world_size())
-            if drawn is not None:
-                drawn = idist.all_reduce(drawn.to(torch.float32)) > 0
+        self._apply_gradient(engine, grad, drawn)
+
+    def _apply_gradient(self, engine: Engine, grad: torch.Tensor | None, drawn: torch.Tensor | None) -> None:
+        """Mask, check and apply a logits gradient; collective (all ranks' mean) in distributed runs.
+
+        ``grad is None`` (distributed only) joins the all-reduce without contributing."""
+        logits = self.policy.logits
+        if self.distributed:
+            grad, drawn = self._all_reduce(grad, drawn)
+            if grad is None:
+                self.optimizer.zero_grad(set_to_none=True)
+                raise SkipUpdate("no rank had a policy gradient")
+            logits.grad = grad
         if drawn is not None:
             grad.masked_fill_(~drawn.to(grad.device), 0.0)
         if not torch.isfinite(grad).all():
@@ -180,6 +230,29 @@ class PolicyUpdater(ABC):
         for group in self.optimizer.param_groups:
             group["lr"] = self.current_lr(engine)
         self.optimizer.step()
+
+    def _all_reduce(
+        self, grad: torch.Tensor | None, drawn: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One all-reduce of ``[gradient, drawn mask, contributed]`` over the ranks.
+
+        Returns the mean gradient of the contributing ranks and the union of their drawn masks (all ops
+        where a rank passed no mask), or ``(None, None)`` when no rank contributed. Every rank gets the
+        same bits, so the Adam steps, and hence the policies, stay identical."""
+        self._synced = True
+        logits = self.policy.logits
+        n = logits.numel()
+        packed = torch.zeros(2 * n + 1, dtype=torch.float64)
+        if grad is not None:
+            packed[:n] = grad.detach().reshape(-1).to("cpu", torch.float64)
+            packed[n : 2 * n] = 1.0 if drawn is None else drawn.reshape(-1).to("cpu", torch.float64)
+            packed[-1] = 1.0
+        packed = idist.all_reduce(packed)
+        count = float(packed[-1])
+        if count == 0:
+            return None, None
+        mean = (packed[:n] / count).reshape(logits.shape).to(logits.device, logits.dtype)
+        return mean, (packed[n : 2 * n] > 0).reshape(logits.shape)
 
     def _log_changes(self, engine: Engine, before: list[torch.Tensor]) -> None:
         after = self.policy.probabilities()

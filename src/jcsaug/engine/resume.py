@@ -1,0 +1,139 @@
+"""Exact resume of a run: per-epoch reseeding, a resume checkpoint with everything, and a time box.
+
+A resumed run equals an uninterrupted one (CPU, fixed seed) because every source of randomness is
+either checkpointed (model, optimisers, LR schedule, policies, policy optimisers and their random
+generators, the engine's counters) or a pure function of ``(seed, epoch)``: at the start of every
+epoch :class:`EpochReseeder` reseeds torch/numpy/random, the datasets' random transforms, and starts
+fresh data iterators (DataLoader workers are then seeded from the reseeded torch generator, so use
+``persistent_workers=False``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine, Events
+from monai.utils import set_determinism
+
+logger = logging.getLogger("jcsaug.engine")
+
+RESUME_FILE = "resume.pt"
+
+
+class EpochReseeder:
+    """At every epoch start: reseed everything from ``(seed, epoch, rank)`` and restart the data streams.
+
+    Args:
+        seed: the run's seed.
+        loader: the training data; a fresh iterator is started each epoch (``engine.set_data``).
+        datasets: datasets whose ``transform`` random states are reset each epoch (transforms run in
+            the main process with ``num_workers=0``; workers are seeded from torch's generator).
+        updaters: policy updaters whose validation streams restart each epoch.
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        loader: Iterable | None = None,
+        datasets: Sequence = (),
+        updaters: Sequence = (),
+    ) -> None:
+        self.seed = int(seed)
+        self.loader = loader
+        self.datasets = list(datasets)
+        self.updaters = list(updaters)
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.EPOCH_STARTED, self)
+
+    def epoch_seed(self, epoch: int) -> int:
+        return (self.seed + 1_000_003 * epoch + 7_919 * idist.get_rank()) % (2**31 - 1)
+
+    def __call__(self, engine: Engine) -> None:
+        seed = self.epoch_seed(engine.state.epoch)
+        set_determinism(seed=seed)
+        for i, dataset in enumerate(self.datasets):
+            transform = getattr(dataset, "transform", None)
+            if hasattr(transform, "set_random_state"):
+                transform.set_random_state(seed=(seed + i + 1) % (2**31 - 1))
+        for updater in self.updaters:
+            stream = getattr(updater, "val_stream", None)
+            if stream is not None:
+                stream.restart()
+        if self.loader is not None:
+            engine.set_data(self.loader)
+
+
+def save_atomic(state: Mapping, path: str | Path) -> Path:
+    """``torch.save`` through a temporary file in the same folder and a rename: never half-written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(dict(state), tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+class ResumeCheckpoint:
+    """Save everything a run needs to continue exactly, every epoch, and load it when ``resume`` is set.
+
+    Args:
+        output_dir: where ``resume.pt`` lives.
+        objects: name -> object with ``state_dict``/``load_state_dict`` (network, optimiser, LR schedule,
+            policy updaters...). The engine itself is added as ``"trainer"``.
+        resume: load ``output_dir/resume.pt`` at the start of the run (an error if it is missing).
+    """
+
+    def __init__(self, output_dir: str | Path, objects: Mapping, resume: bool = False) -> None:
+        self.path = Path(output_dir) / RESUME_FILE
+        self.objects = dict(objects)
+        self.resume = bool(resume)
+
+    def attach(self, engine: Engine) -> None:
+        self.objects["trainer"] = engine
+        engine.add_event_handler(Events.STARTED, self.load)
+        engine.add_event_handler(Events.EPOCH_COMPLETED, self.save)
+
+    def save(self, engine: Engine | None = None) -> None:
+        if idist.get_rank() == 0:
+            save_atomic({name: obj.state_dict() for name, obj in self.objects.items()}, self.path)
+
+    def load(self, engine: Engine | None = None) -> None:
+        if not self.resume:
+            return
+        if not self.path.exists():
+            raise FileNotFoundError(f"resume requested but {self.path} does not exist (no finished epoch to resume)")
+        try:
+            state = torch.load(self.path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
+            raise ValueError(f"cannot read resume checkpoint {self.path}: {err}") from None
+        missing = sorted(set(self.objects) - set(state))
+        if missing:
+            raise ValueError(f"resume checkpoint {self.path} lacks {missing} (it has {sorted(state)})")
+        for name, obj in self.objects.items():
+            obj.load_state_dict(state[name])
+        logger.info("resumed from %s at iteration %s", self.path, state["trainer"].get("iteration"))
+
+
+class StopAfterEpochs:
+    """Terminate the run after ``epochs`` epochs (0 = never): a time box, and how resume is tested."""
+
+    def __init__(self, epochs: int = 0) -> None:
+        self.epochs = int(epochs)
+
+    def attach(self, engine: Engine) -> None:
+        if self.epochs > 0:
+            engine.add_event_handler(Events.EPOCH_COMPLETED(once=self.epochs), lambda e: e.terminate())
