@@ -35,6 +35,7 @@ def learn_tea_posthoc(
     frozen = {n: p.detach().clone() for n, p in network.state_dict().items()}
     engine = Engine(lambda engine, batch: None)  # the model is never updated
     updater = TEAPolicyUpdater(policy, network, val_loader, lr=lr, num_copies=num_copies, seed=seed)
+    updater.sync_ranks = False  # may run on one rank only (a rank-0 evaluation): no collective all-reduce
     updater.attach(engine)
     if progress:
         ProgressBar(desc="post-hoc TEA", persist=True).attach(engine)
