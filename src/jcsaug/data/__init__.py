@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from jcsaug.data.checks import CheckFinited, SafeLoadImaged
 from jcsaug.data.synthetic import make_synthetic_dataset
 
-__all__ = ["make_synthetic_dataset"]
+__all__ = ["CheckFinited", "SafeLoadImaged", "make_synthetic_dataset"]

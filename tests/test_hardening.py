@@ -1,0 +1,320 @@
+"""Property-based hardening (hypothesis): TRA cascade and class groups over random shapes, dtypes, label
+sets and value ranges; NaN/Inf images, corrupted NIfTI files and foreign policy files give clear errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from monai.data import MetaTensor
+from monai.transforms import Compose
+
+from jcsaug.data import CheckFinited, SafeLoadImaged
+from jcsaug.ops.tra import TRA_SERIES, apply_tra, sample_tra_params
+from jcsaug.policy import ClassGroupd, TRACascaded, make_tra_policy
+from jcsaug.policy.io import load_policies, save_policies
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+FAST = settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+shapes = st.tuples(*[st.integers(4, 20)] * 3)
+image_dtypes = st.sampled_from([np.float32, np.float64, np.int16])
+label_dtypes = st.sampled_from([np.uint8, np.int64])
+value_ranges = st.sampled_from(["constant", "unit", "huge", "negative", "mixed"])
+label_sets = st.sets(st.integers(0, 200), min_size=1, max_size=5)
+seeds = st.integers(0, 2**31 - 1)
+
+
+def _image(rng: np.random.RandomState, shape, dtype, kind: str) -> np.ndarray:
+    if kind == "constant":
+        x = np.full(shape, rng.uniform(-1e3, 1e3))
+    elif kind == "unit":
+        x = rng.rand(*shape)
+    elif kind == "huge":
+        x = rng.uniform(-1e6, 1e6, size=shape)
+    elif kind == "negative":
+        x = -rng.uniform(1, 1e3, size=shape)
+    else:
+        x = rng.randn(*shape) * 1e3 + rng.choice([0.0, 1e5])
+    if np.issubdtype(dtype, np.integer):
+        x = np.clip(np.round(x), np.iinfo(dtype).min, np.iinfo(dtype).max)
+    return x.astype(dtype)[None]
+
+
+def _label(rng: np.random.RandomState, shape, dtype, values) -> np.ndarray:
+    return rng.choice(sorted(values), size=shape).astype(dtype)[None]
+
+
+def _check_outputs(img_in, lab_in, img_out, lab_out):
+    assert img_out.dtype == torch.float32
+    assert torch.isfinite(img_out).all(), "TRA produced non-finite intensities"
+    assert img_out.shape[0] == 1 and sorted(img_out.shape[1:]) == sorted(img_in.shape[1:])
+    assert lab_out.shape == img_out.shape
+    assert lab_out.dtype == torch.as_tensor(lab_in).dtype
+    # nearest-neighbour labels: only input values (and the 0 padding of the resampling)
+    assert set(torch.unique(lab_out).tolist()) <= set(np.unique(lab_in).tolist()) | {0}
+
+
+@FAST
+@given(shapes, image_dtypes, label_dtypes, value_ranges, label_sets, seeds)
+def test_tra_cascade_pipeline_properties(shape, img_dtype, lab_dtype, kind, values, seed):
+    rng = np.random.RandomState(seed % 2**32)
+    img, lab = _image(rng, shape, img_dtype, kind), _label(rng, shape, lab_dtype, values)
+    policy = make_tra_policy("uniform", num_groups=2)
+    pipeline = Compose([ClassGroupd("label"), TRACascaded("image", policy, label_keys="label")])
+    pipeline.set_random_state(seed)
+    out = pipeline({"image": torch.as_tensor(img), "label": torch.as_tensor(lab)})
+    _check_outputs(img, lab, out["image"], out["label"])
+    centre = int(lab[(0, *[s // 2 for s in shape])])
+    assert out["class_group"] == int(centre != 0)
+    ops = out["tra_ops"]
+    assert ops.shape == (15,) and ops.dtype == torch.long
+    assert all(0 <= int(o) < s.size for o, s in zip(ops, TRA_SERIES))
+
+
+@FAST
+@given(
+    shapes,
+    image_dtypes,
+    value_ranges,
+    label_sets,
+    st.lists(st.integers(0, 10), min_size=15, max_size=15),
+    seeds,
+)
+def test_every_tra_op_combination_stays_finite(shape, img_dtype, kind, values, raw_choices, seed):
+    """Explicit op choices (every op of every series reachable), not only what a policy happens to draw."""
+    rng = np.random.RandomState(seed % 2**32)
+    img, lab = _image(rng, shape, img_dtype, kind), _label(rng, shape, np.int64, values)
+    choices = [c % s.size for c, s in zip(raw_choices, TRA_SERIES)]
+    params = sample_tra_params(choices, rng)
+    images, labels = apply_tra({"image": torch.as_tensor(img)}, {"label": torch.as_tensor(lab)}, params)
+    _check_outputs(img, lab, images["image"], labels["label"])
+
+
+@pytest.mark.parametrize("kind", ["constant", "huge", "negative"])
+@pytest.mark.parametrize("series", range(len(TRA_SERIES)))
+def test_each_op_at_its_strongest_on_extreme_images(series, kind):
+    """Regression grid: every single op, top bin, on constant / ±1e6 / negative images, int16 input."""
+    rng = np.random.RandomState(series)
+    img = _image(rng, (9, 6, 13), np.int16 if kind == "negative" else np.float32, kind)
+    lab = _label(rng, (9, 6, 13), np.uint8, {0, 1, 2})
+    for sign_seed in range(2):
+        choices = [0] * len(TRA_SERIES)
+        choices[series] = TRA_SERIES[series].size - 1
+        params = sample_tra_params(choices, np.random.RandomState(sign_seed))
+        images, labels = apply_tra({"image": torch.as_tensor(img)}, {"label": torch.as_tensor(lab)}, params)
+        _check_outputs(img, lab, images["image"], labels["label"])
+
+
+# ------------------------------------------------------------------------------------------ class groups
+
+
+@FAST
+@given(
+    st.dictionaries(st.integers(0, 6), st.integers(0, 3), max_size=6),
+    st.integers(-2, 8),
+    shapes,
+    label_dtypes,
+)
+def test_class_group_mapping_or_clear_error(mapping, centre, shape, lab_dtype):
+    if lab_dtype is np.uint8 and centre < 0:
+        centre = -centre
+    lab = np.zeros((1, *shape), dtype=lab_dtype)
+    lab[(0, *[s // 2 for s in shape])] = centre
+    t = ClassGroupd("label", mapping=mapping or None)
+    if not mapping:  # default: background 0 -> 0, any other value -> 1, negative refused
+        if centre < 0:
+            with pytest.raises(ValueError, match=rf"key 'label': label value {centre} is negative"):
+                t({"label": torch.as_tensor(lab)})
+        else:
+            assert t({"label": torch.as_tensor(lab)})["class_group"] == int(centre != 0)
+    elif centre in mapping:
+        assert t({"label": lab})["class_group"] == mapping[centre]
+    else:
+        with pytest.raises(ValueError, match=rf"label value {centre} at the patch centre is not in the class-group"):
+            t({"label": torch.as_tensor(lab)})
+
+
+@FAST
+@given(st.integers(2, 5), shapes, seeds)
+def test_class_group_of_one_hot_labels(channels, shape, seed):
+    rng = np.random.RandomState(seed % 2**32)
+    cls = rng.randint(channels, size=shape)
+    onehot = np.eye(channels, dtype=np.uint8)[cls].transpose(3, 0, 1, 2)
+    out = ClassGroupd("label", mapping={c: c for c in range(channels)})({"label": onehot})
+    assert out["class_group"] == cls[tuple(s // 2 for s in shape)]
+
+
+@FAST
+@given(st.dictionaries(st.integers(0, 5), st.integers(-3, 8), min_size=1, max_size=5), st.integers(1, 4))
+def test_class_group_mapping_out_of_range_is_refused(mapping, num_groups):
+    bad = sorted(v for v in mapping.values() if not 0 <= v < num_groups)
+    if bad:
+        with pytest.raises(
+            ValueError, match=re.escape(f"class groups {bad} in mapping out of range [0, {num_groups})")
+        ):
+            ClassGroupd("label", mapping=mapping, num_groups=num_groups)
+    else:
+        ClassGroupd("label", mapping=mapping, num_groups=num_groups)
+
+
+# -------------------------------------------------------------------------------------------- NaN / Inf
+
+
+nonfinite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
+
+
+@FAST
+@given(shapes, st.sampled_from([np.float32, np.float64]), st.lists(nonfinite, min_size=1, max_size=6), seeds)
+def test_nonfinite_image_is_refused_naming_the_case(shape, dtype, bad_values, seed):
+    rng = np.random.RandomState(seed % 2**32)
+    x = rng.randn(1, *shape).astype(dtype)
+    flat = rng.choice(x.size, size=len(bad_values), replace=False)
+    x.reshape(-1)[flat] = bad_values
+    n_nan = sum(np.isnan(v) for v in bad_values)
+    n_inf = len(bad_values) - n_nan
+    name = f"/data/case_{seed}.nii.gz"
+    with pytest.raises(ValueError, match=rf"'image' of case {name}: {n_nan} NaN and {n_inf} Inf voxels"):
+        CheckFinited("image")({"image": MetaTensor(x, meta={"filename_or_obj": name})})
+    with pytest.raises(ValueError, match=rf"'image' of case case_{seed}: {n_nan} NaN"):
+        CheckFinited("image", case_key="case")({"image": torch.as_tensor(x), "case": f"case_{seed}"})
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cleaned = CheckFinited("image", clean=True)({"image": MetaTensor(x, meta={"filename_or_obj": name})})
+    assert [str(w.message) for w in caught] == [
+        f"'image' of case {name}: {n_nan} NaN and {n_inf} Inf voxels (of {x.size}) set to 0"
+    ]
+    out = cleaned["image"]
+    assert isinstance(out, MetaTensor) and out.meta["filename_or_obj"] == name and out.dtype == torch.as_tensor(x).dtype
+    assert torch.isfinite(out).all()
+    assert (out.reshape(-1)[torch.as_tensor(flat)] == 0).all()
+    keep = np.isfinite(x)
+    assert np.array_equal(out.numpy()[keep], x[keep])
+
+
+def test_check_finite_passes_clean_data_and_integers_and_warns_once_per_case():
+    x = np.ones((1, 4, 4, 4), np.float32)
+    d = {"image": x, "label": np.zeros((1, 4, 4, 4), np.uint8)}
+    assert CheckFinited(["image", "label"])(d)["image"] is x
+    x_bad = x.copy()
+    x_bad[0, 0, 0, 0] = np.nan
+    t = CheckFinited("image", clean=True)
+    with pytest.warns(UserWarning, match="'image' of case <unknown case>: 1 NaN and 0 Inf voxels"):
+        out = t({"image": x_bad})
+    assert isinstance(out["image"], np.ndarray) and out["image"][0, 0, 0, 0] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t({"image": x_bad})  # the same case again: no second warning
+
+
+def test_nonfinite_image_never_reaches_tra():
+    """The documented guard: CheckFinited before the cascade stops a NaN case before it can poison policies."""
+    x = np.zeros((1, 6, 6, 6), np.float32)
+    x[0, 1, 2, 3] = np.inf
+    pipeline = Compose(
+        [
+            CheckFinited("image"),
+            ClassGroupd("label"),
+            TRACascaded("image", make_tra_policy("uniform", num_groups=2), label_keys="label"),
+        ]
+    )
+    with pytest.raises(RuntimeError) as err:  # MONAI's Compose wraps it in a RuntimeError
+        pipeline({"image": MetaTensor(x, meta={"filename_or_obj": "sick.nii.gz"}), "label": np.zeros_like(x)})
+    assert "'image' of case sick.nii.gz: 0 NaN and 1 Inf voxels" in str(err.value.__cause__ or err.value)
+
+
+# ---------------------------------------------------------------------------------------- corrupted files
+
+
+@pytest.fixture(scope="module")
+def nifti_dir():
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        img = np.random.RandomState(0).rand(12, 10, 8).astype(np.float32)
+        nib.save(nib.Nifti1Image(img, np.eye(4)), d / "good.nii.gz")
+        nib.save(nib.Nifti1Image(img, np.eye(4)), d / "good.nii")
+        yield d
+
+
+def _load(path: Path):
+    return SafeLoadImaged("image", image_only=True)({"image": str(path)})
+
+
+def test_good_nifti_loads(nifti_dir):
+    assert tuple(_load(nifti_dir / "good.nii.gz")["image"].shape) == (12, 10, 8)
+
+
+@settings(max_examples=15, deadline=None, database=None)
+@given(st.floats(0.0, 0.999))
+def test_truncated_nifti_gz_names_the_file(nifti_dir, fraction):
+    data = (nifti_dir / "good.nii.gz").read_bytes()
+    path = nifti_dir / "truncated.nii.gz"
+    path.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(ValueError, match=rf"^cannot read {path}: \w+"):
+        _load(path)
+
+
+@settings(max_examples=15, deadline=None, database=None)
+@given(st.floats(0.0, 0.99))
+def test_truncated_nifti_names_the_file(nifti_dir, fraction):
+    data = (nifti_dir / "good.nii").read_bytes()
+    path = nifti_dir / "truncated.nii"
+    path.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(ValueError, match=rf"^cannot read {path}: \w+"):
+        _load(path)
+
+
+@settings(max_examples=15, deadline=None, database=None)
+@given(st.binary(min_size=0, max_size=600), st.booleans())
+def test_garbage_bytes_name_the_file(nifti_dir, payload, gzipped):
+    path = nifti_dir / "garbage.nii.gz"
+    path.write_bytes(gzip.compress(payload) if gzipped else payload)
+    with pytest.raises(ValueError, match=rf"^cannot read {path}: \w+"):
+        _load(path)
+
+
+def test_missing_file_names_the_file(nifti_dir):
+    with pytest.raises(ValueError, match=rf"^cannot read {nifti_dir / 'nope.nii.gz'}: FileNotFoundError"):
+        _load(nifti_dir / "nope.nii.gz")
+
+
+# ------------------------------------------------------------------------------------ foreign policy files
+
+
+@settings(max_examples=15, deadline=None, database=None)
+@given(st.data())
+def test_policy_file_for_another_catalogue_is_refused(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("policies") / "policies.json"
+    save_policies(path, tra=make_tra_policy("nnunet", num_groups=2))
+    doc = json.loads(path.read_text())
+    g = data.draw(st.integers(0, 1))
+    s = data.draw(st.integers(0, 14))
+    entry = doc["tra"]["groups"][g]["series"][s]
+    how = data.draw(st.sampled_from(["rename_op", "drop_op", "rename_series", "drop_series"]))
+    if how == "rename_op":
+        entry["ops"][data.draw(st.integers(0, len(entry["ops"]) - 1))]["name"] = "foreign_op"
+        expected = rf"{path}: series '{entry['series']}': op names .* do not match the catalogue"
+    elif how == "drop_op":
+        entry["ops"].pop()
+        expected = rf"{path}: series '{entry['series']}': op names .* do not match the catalogue"
+    elif how == "rename_series":
+        entry["series"] = "foreign_series"
+        expected = rf"{path}: TRA series {s} is 'foreign_series', expected"
+    else:
+        doc["tra"]["groups"][g]["series"].pop(s)
+        expected = rf"{path}: TRA policy has 14 series, the catalogue has 15"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=expected):
+        load_policies(path)
