@@ -68,8 +68,6 @@ def _run(local_rank: int, iterations: int, size: int, out: str) -> None:
         opt.step()
 
     trainer = Engine(step)
-    for u in updaters:
-        u.attach(trainer)
     reduce_time, update_time, iter_time = [0.0], [0.0], []
     real_reduce, real_run = engine_base.PolicyUpdater._all_reduce, engine_base.PolicyUpdater._run_update
 
@@ -89,6 +87,8 @@ def _run(local_rank: int, iterations: int, size: int, out: str) -> None:
 
     engine_base.PolicyUpdater._all_reduce = timed_reduce
     engine_base.PolicyUpdater._run_update = timed_run
+    for u in updaters:  # attached after the timers are installed (attach binds _run_update)
+        u.attach(trainer)
     start = [0.0]
 
     @trainer.on(Events.ITERATION_STARTED)
@@ -130,8 +130,8 @@ def main() -> None:
     print(f"{'processes':>9} {'s/iteration':>12} {'vs 1 proc':>10} {'all-reduce / policy updates':>28}")
     for nproc, r in results.items():
         t = statistics.median(r["iter"])
-        share = r["reduce"] / r["update"] if r["update"] else float("nan")
-        print(f"{nproc:>9} {t:>12.3f} {t / base:>10.2f} {share:>27.2%}")
+        share = f"{r['reduce'] / r['update']:.2%}" if nproc > 1 else "- (no all-reduce)"
+        print(f"{nproc:>9} {t:>12.3f} {t / base:>10.2f} {share:>28}")
 
 
 if __name__ == "__main__":
