@@ -11,15 +11,14 @@ fresh data iterators (DataLoader workers are then seeded from the reseeded torch
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import ignite.distributed as idist
-import torch
 from ignite.engine import Engine, Events
 from monai.utils import set_determinism
+
+from jcsaug.engine.checkpoints import load_checkpoint, save_checkpoint_atomic
 
 logger = logging.getLogger("jcsaug.engine")
 
@@ -70,23 +69,6 @@ class EpochReseeder:
             engine.set_data(self.loader)
 
 
-def save_atomic(state: Mapping, path: str | Path) -> Path:
-    """``torch.save`` through a temporary file in the same folder and a rename: never half-written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(dict(state), tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 class ResumeCheckpoint:
     """Save everything a run needs to continue exactly, every epoch, and load it when ``resume`` is set.
 
@@ -109,22 +91,15 @@ class ResumeCheckpoint:
 
     def save(self, engine: Engine | None = None) -> None:
         if idist.get_rank() == 0:
-            save_atomic({name: obj.state_dict() for name, obj in self.objects.items()}, self.path)
+            save_checkpoint_atomic(self.path, self.objects)
 
     def load(self, engine: Engine | None = None) -> None:
+        """Load every object from ``resume.pt``, all or none (clear errors naming the file)."""
         if not self.resume:
             return
         if not self.path.exists():
             raise FileNotFoundError(f"resume requested but {self.path} does not exist (no finished epoch to resume)")
-        try:
-            state = torch.load(self.path, map_location="cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged file
-            raise ValueError(f"cannot read resume checkpoint {self.path}: {err}") from None
-        missing = sorted(set(self.objects) - set(state))
-        if missing:
-            raise ValueError(f"resume checkpoint {self.path} lacks {missing} (it has {sorted(state)})")
-        for name, obj in self.objects.items():
-            obj.load_state_dict(state[name])
+        state = load_checkpoint(self.path, self.objects)
         logger.info("resumed from %s at iteration %s", self.path, state["trainer"].get("iteration"))
 
 
