@@ -78,3 +78,14 @@ def test_loading_policies_and_errors(tmp_path):
         TEAInferer.from_policy(make_tra_policy(), z=4)
     with pytest.raises(ValueError, match="z must be in"):
         TEAInferer.from_policy(make_tea_policy(), z=0)
+
+
+def test_tta_inferer_by_name(tmp_path):
+    from jcsaug.inference import tta_inferer
+
+    path = save_policies(tmp_path / "policies.json", tea=make_tea_policy())
+    assert isinstance(tta_inferer("none", None, path), NoTTAInferer)
+    assert isinstance(tta_inferer("heuristic", None, path), MirrorTTAInferer)
+    assert len(tta_inferer("learned", None, path, z=4).ops) == 4
+    with pytest.raises(KeyError, match="unknown test-time augmentation 'mirror'"):
+        tta_inferer("mirror", None, path)

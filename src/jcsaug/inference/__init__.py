@@ -8,6 +8,7 @@ from jcsaug.inference.tta import (
     TEAInferer,
     evaluation_inferers,
     load_tea_policy,
+    tta_inferer,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "TEAInferer",
     "load_tea_policy",
     "predict_cases",
+    "tta_inferer",
 ]

@@ -151,9 +151,16 @@ def evaluation_inferers(policies_path: str | Path, base_inferer: Inferer | None 
     return inferers
 
 
-#: name -> factory of a TTA inferer, for the bundles' ``tea_inference`` switch
-TTA_INFERERS: dict[str, Callable[..., TEAInferer]] = {
-    "none": NoTTAInferer,
-    "heuristic": MirrorTTAInferer,
-    "learned": TEAInferer.from_file,
+#: name -> factory ``(base_inferer, policies_path, z) -> inferer`` of the bundles' ``tea_inference`` switch
+TTA_INFERERS: dict[str, Callable[[Inferer | None, str | Path, int], TEAInferer]] = {
+    "none": lambda base, policies_path, z: NoTTAInferer(base),
+    "heuristic": lambda base, policies_path, z: MirrorTTAInferer(base),
+    "learned": lambda base, policies_path, z: TEAInferer.from_file(policies_path, z, base),
 }
+
+
+def tta_inferer(name: str, base_inferer: Inferer | None, policies_path: str | Path, z: int = 8) -> TEAInferer:
+    """The TTA inferer called ``name`` (``none``, ``heuristic`` mirroring, ``learned`` from ``policies_path``)."""
+    if name not in TTA_INFERERS:
+        raise KeyError(f"unknown test-time augmentation {name!r}; choose one of {sorted(TTA_INFERERS)}")
+    return TTA_INFERERS[name](base_inferer, policies_path, z)
