@@ -318,3 +318,13 @@ def test_policy_file_for_another_catalogue_is_refused(tmp_path_factory, data):
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=expected):
         load_policies(path)
+
+
+@pytest.mark.parametrize("missing", [1, 4, 8, 9])
+def test_nifti_gz_missing_only_its_gzip_trailer_is_refused(nifti_dir, missing):
+    """nibabel alone loads such a file (the voxels are complete): the CRC/length trailer is checked too."""
+    data = (nifti_dir / "good.nii.gz").read_bytes()
+    path = nifti_dir / "no_trailer.nii.gz"
+    path.write_bytes(data[:-missing])
+    with pytest.raises(ValueError, match=rf"^cannot read {path}: EOFError"):
+        _load(path)

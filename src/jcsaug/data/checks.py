@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gzip
 import warnings
 from collections.abc import Hashable, Mapping
 from pathlib import Path
@@ -115,9 +116,26 @@ class _NamingLoader:
 
     def __call__(self, filename, reader=None):
         try:
+            for name in _paths(filename):
+                _verify_gzip(name)
             return self._inner(filename, reader)
         except Exception as err:  # noqa: BLE001 - readers raise anything (OSError, EOFError, gzip, nibabel...)
             raise ValueError(f"cannot read {filename}: {_reason(err)}") from err
+
+
+def _paths(filename) -> list[str]:
+    return [str(f) for f in filename] if isinstance(filename, (list, tuple)) else [str(filename)]
+
+
+def _verify_gzip(path: str, chunk: int = 1 << 22) -> None:
+    """Read a ``.gz`` file to its end: gzip then checks the stream end, CRC and length.
+
+    nibabel stops reading once it has the voxels, so a file that lost only its gzip trailer would load
+    unnoticed; this costs one extra streamed decompression per load (use a ``CacheDataset``)."""
+    if path.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            while f.read(chunk):
+                pass
 
 
 def _reason(err: BaseException) -> str:
