@@ -14,3 +14,18 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """task -> (raw_dir, prepared dataset dir): every task's fake raw data through `jcsaug prepare`, once."""
+    from fake_raw import TASK_NAMES, make_fake_raw
+    from jcsaug.tasks import prepare_task
+
+    root = tmp_path_factory.mktemp("prepared")
+    out = {}
+    for task in TASK_NAMES:
+        raw = make_fake_raw(task, root / task / "raw")
+        prepare_task(task, raw, root / task / "data", progress=False)
+        out[task] = (raw, root / task / "data")
+    return out

@@ -1,4 +1,4 @@
-"""The ``jcsaug`` command line: catalogues, policies and the synthetic dataset.
+"""The ``jcsaug`` command line: catalogues, policies, datasets (synthetic and prepared) and reports.
 
 Each sub-command is a function registered in :data:`COMMANDS` with its argument builder.
 """
@@ -140,6 +140,39 @@ def _run_synthetic(args: argparse.Namespace) -> int:
         args.out_dir, num_train=args.num_train, num_val=args.num_val, num_test=args.num_test,
         shape=tuple(args.shape), seed=args.seed, overwrite=args.overwrite,
     )  # fmt: skip
+    print(path)
+    return 0
+
+
+# ----------------------------------------------------------------------------- prepare
+def _build_prepare(p: argparse.ArgumentParser) -> None:
+    from jcsaug.tasks import TASKS
+
+    p.add_argument("task", choices=sorted(TASKS), help="the dataset task (one bundle per task)")
+    p.add_argument("raw_dir", help="the dataset as published (layout: see the bundle's docs/README.md)")
+    p.add_argument("--out", required=True, dest="out_dir", help="prepared dataset folder (dataset.json, images/)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random splits (default 0)")
+    p.add_argument("--num-workers", type=int, default=0, help="processes for the cases (default: this one)")
+    p.add_argument("--skip-unlabelled", action="store_true", help="leave out images without a label file")
+    p.add_argument("--max-cases", type=int, help="use a seeded subset of this many subjects (ATLAS: 220)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+@command("prepare", _build_prepare)
+def _run_prepare(args: argparse.Namespace) -> int:
+    import logging
+
+    from jcsaug.tasks import PrepareError, prepare_task
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        path = prepare_task(
+            args.task, args.raw_dir, args.out_dir, seed=args.seed, num_workers=args.num_workers,
+            skip_unlabelled=args.skip_unlabelled, max_cases=args.max_cases, progress=not args.quiet,
+        )  # fmt: skip
+    except PrepareError as err:
+        print(f"jcsaug prepare: error: {err}", file=sys.stderr)
+        return 1
     print(path)
     return 0
 

@@ -13,7 +13,7 @@ from jcsaug.engine.hypergradient import (
     jvp_hypergradient,
     normalise_hypergradient,
 )
-from jcsaug.engine.losses import LOSSES, get_loss
+from jcsaug.engine.losses import LOSSES, SegmentationLoss, get_loss
 from jcsaug.engine.modes import TEA_MODES, TRA_MODES, AugmentationSetup
 from jcsaug.engine.posthoc import learn_tea_posthoc
 from jcsaug.engine.resume import EpochReseeder, ResumeCheckpoint, StopAfterEpochs
@@ -21,6 +21,7 @@ from jcsaug.engine.tea_updater import TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRAPolicyUpdater
 
 __all__ = [
+    "SegmentationLoss",
     "AtomicCheckpointSaver",
     "SafeCheckpointLoader",
     "load_checkpoint",

@@ -63,3 +63,26 @@ def get_loss(name: str | PerSampleLoss) -> PerSampleLoss:
     if key not in LOSSES:
         raise KeyError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
     return LOSSES[key]
+
+
+class SegmentationLoss(torch.nn.Module):
+    """The model's training loss by name (``ce``, ``dice``, ``ce+dice``): the batch mean of the same per-sample
+    loss the policy updates use, so training and hypergradients agree.
+
+    Deep-supervision outputs (a tuple of full-resolution heads, as :class:`jcsaug.networks.NnUNetDynUNet` returns
+    in training mode) are summed with nnU-Net's weights 1, 1/2, 1/4, ... normalised to 1. MONAI's
+    ``DeepSupervisionLoss`` is not used because it computes one batch value; the heads here are already at full
+    resolution, so nothing else would differ.
+    """
+
+    def __init__(self, name: str = "ce+dice") -> None:
+        super().__init__()
+        self.name = name
+        self.per_sample = get_loss(name)
+
+    def forward(self, pred: torch.Tensor | list | tuple, label: torch.Tensor) -> torch.Tensor:
+        from jcsaug.networks.factory import deep_supervision_weights
+
+        heads = list(pred) if isinstance(pred, (list, tuple)) else [pred]
+        weights = deep_supervision_weights(len(heads))
+        return sum(w * self.per_sample(h, label).mean() for w, h in zip(weights, heads))

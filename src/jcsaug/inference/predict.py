@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -20,18 +20,21 @@ def predict_cases(
     device: torch.device | str = "cpu",
     image_key: str = "image",
     progress: bool = True,
+    orientation: str | None = "RAS",
+    preprocess: Callable[[dict], dict] | None = None,
 ) -> list[Path]:
     """Segment every case (``{"image": path}``) and write ``<name>_seg.nii.gz`` files to ``output_dir``.
 
-    Images are read in RAS orientation (as in training); the saved label carries that orientation's
-    affine, so it overlays the input image in any viewer.
+    Images are read in ``orientation`` (RAS, as in training; ``None`` keeps the stored axes) and passed through
+    ``preprocess`` (e.g. the dataset's intensity normalisation); the saved label carries the image's affine,
+    so it overlays the input image in any viewer.
     """
-    load = Compose([
-        LoadImaged(image_key, image_only=True),
-        EnsureChannelFirstd(image_key),
-        Orientationd(image_key, axcodes="RAS", labels=(("L", "R"), ("P", "A"), ("I", "S"))),
-        EnsureTyped(image_key, dtype=torch.float32),
-    ])  # fmt: skip
+    steps = [LoadImaged(image_key, image_only=True), EnsureChannelFirstd(image_key)]
+    if orientation:
+        steps.append(Orientationd(image_key, axcodes=orientation, labels=(("L", "R"), ("P", "A"), ("I", "S"))))
+    if preprocess is not None:
+        steps.append(preprocess)
+    load = Compose([*steps, EnsureTyped(image_key, dtype=torch.float32)])
     saver = SaveImage(
         output_dir=str(output_dir), output_postfix="seg", separate_folder=False, resample=False, print_log=False
     )

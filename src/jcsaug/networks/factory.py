@@ -23,15 +23,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
+from monai.inferers import Inferer, SlidingWindowInferer
 from monai.networks.nets import UNETR, DynUNet, SwinUNETR
 from monai.utils import optional_import
 
-from jcsaug.networks.deepmedic import DeepMedic
+from jcsaug.networks.deepmedic import DeepMedic, ValidConvSlidingWindowInferer
 
 __all__ = [
     "NETWORKS",
     "NnUNetDynUNet",
     "deep_supervision_weights",
+    "make_inferer",
     "make_network",
     "network_patch_sizes",
     "nnunet_kernels_strides",
@@ -237,3 +239,26 @@ def network_patch_sizes(name: str, patch_size: SizeLike, **kwargs) -> tuple[tupl
     if isinstance(net, DeepMedic):
         return net.input_size, net.output_size
     return patch, patch
+
+
+def make_inferer(
+    network: nn.Module,
+    patch_size: SizeLike,
+    overlap: float = 0.5,
+    sw_batch_size: int = 4,
+    deepmedic_segment: SizeLike = 45,
+) -> Inferer:
+    """The whole-volume inferer for ``network`` (DDP-wrapped or not).
+
+    DeepMedic: :class:`ValidConvSlidingWindowInferer` with normal-pathway segments of ``deepmedic_segment`` (45³
+    as the reference, each predicting 29³). Others: MONAI ``SlidingWindowInferer`` over ``patch_size`` windows,
+    Gaussian weighting, ``overlap`` 0.5 (the reference's step 0.5, σ = patch/8).
+    """
+    net = getattr(network, "module", network)
+    if isinstance(net, DeepMedic):
+        segment = _patch(deepmedic_segment)
+        output = tuple(s - net.shrink for s in segment)
+        return ValidConvSlidingWindowInferer.for_network(net, output, sw_batch_size=sw_batch_size)
+    return SlidingWindowInferer(
+        roi_size=_patch(patch_size), sw_batch_size=sw_batch_size, overlap=overlap, mode="gaussian", sigma_scale=0.125
+    )

@@ -260,6 +260,10 @@ def apply_spatial(
         img = _affine_resample(img, params, "nearest" if is_label else "bilinear", padding_mode, grid)
     for axis, k in params.rot90:
         a, b = rotation_plane(axis)
+        if img.shape[a + 1] != img.shape[b + 1]:
+            # a quarter turn would change the patch shape (e.g. 128x128x8 cardiac patches) and break batching;
+            # a half turn is the only multiple of 90 degrees that keeps it
+            k = 2
         img = torch.rot90(img, k, dims=(a + 1, b + 1))
     return img
 

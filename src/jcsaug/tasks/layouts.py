@@ -1,0 +1,215 @@
+"""Raw layouts of the six public datasets (``DATASETS.md``): find the labelled cases under a raw folder.
+
+Each finder returns :class:`RawCase` entries and raises :class:`PrepareError` naming the case when a labelled
+set misses a label (``skip_unlabelled=True`` leaves such cases out with a warning instead). Sets that are
+unlabelled by design (ATLAS ``Testing``, KiTS cases >= 210, BTCV ``Testing``, MS-CMRSeg T2) are skipped silently.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import re
+from pathlib import Path
+
+from jcsaug.tasks.spec import PrepareError, RawCase
+
+__all__ = [
+    "find_atlas",
+    "find_btcv",
+    "find_kits19",
+    "find_mnms",
+    "find_mscmrseg",
+    "find_prostate",
+    "read_mnms_table",
+]
+
+logger = logging.getLogger(__name__)
+
+NII = ".nii.gz"
+
+
+def _relative_parts(path: Path, root: Path) -> tuple[str, ...]:
+    return path.relative_to(root).parts
+
+
+def _label_or_missing(case_id: str, label: Path | None, skip_unlabelled: bool) -> Path | None:
+    if label is not None and label.is_file():
+        return label
+    if skip_unlabelled:
+        logger.warning("case %s: no label file (%s); left out (--skip-unlabelled)", case_id, label)
+        return None
+    raise PrepareError(
+        f"case {case_id}: label file missing: {label} (pass --skip-unlabelled to leave unlabelled cases out)"
+    )
+
+
+def _no_cases(raw_dir: Path, expected: str) -> PrepareError:
+    return PrepareError(f"no cases found under {raw_dir}: expected {expected}")
+
+
+def find_atlas(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
+    """ATLAS v2.0 BIDS: ``Training/R*/sub-*/ses-*/anat/*_T1w.nii.gz`` + ``*_label-L_desc-T1lesion_mask.nii.gz``."""
+    cases = []
+    for image in sorted(raw_dir.rglob("*_T1w" + NII)):
+        if "Testing" in _relative_parts(image, raw_dir):  # v2.0 test masks are hidden
+            continue
+        case_id = image.name.split("_")[0]
+        label = image.with_name(image.name.replace("_T1w" + NII, "_label-L_desc-T1lesion_mask" + NII))
+        label = _label_or_missing(case_id, label, skip_unlabelled)
+        if label is not None:
+            site = re.match(r"sub-(r\d+)", case_id)
+            cases.append(RawCase(case_id, image, label, domain=site.group(1) if site else ""))
+    if not cases:
+        raise _no_cases(raw_dir, "Training/R001/sub-r001s001/ses-1/anat/sub-r001s001_ses-1_..._T1w.nii.gz (ATLAS v2.0)")
+    return cases
+
+
+def find_kits19(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
+    """KiTS19: ``case_XXXXX/imaging.nii.gz`` + ``segmentation.nii.gz`` (cases >= 210 have no labels)."""
+    root = raw_dir / "data" if not any(raw_dir.glob("case_*")) and (raw_dir / "data").is_dir() else raw_dir
+    cases = []
+    for folder in sorted(p for p in root.glob("case_*") if p.is_dir()):
+        image = folder / "imaging.nii.gz"
+        if not image.is_file():
+            raise PrepareError(f"case {folder.name}: imaging.nii.gz missing in {folder}")
+        label = folder / "segmentation.nii.gz"
+        number = re.search(r"\d+", folder.name)
+        if not label.exists() and number and int(number.group()) >= 210:  # the unlabelled KiTS test images
+            continue
+        label = _label_or_missing(folder.name, label, skip_unlabelled)
+        if label is not None:
+            cases.append(RawCase(folder.name, image, label))
+    if not cases:
+        raise _no_cases(raw_dir, "case_00000/imaging.nii.gz and case_00000/segmentation.nii.gz (KiTS19 data/)")
+    return cases
+
+
+def find_btcv(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
+    """BTCV: ``Training/img/imgNNNN.nii.gz`` + ``Training/label/labelNNNN.nii.gz`` (``Testing`` is unlabelled)."""
+    cases = []
+    for image in sorted(raw_dir.rglob("img*" + NII)):
+        if image.parent.name != "img" or "Testing" in _relative_parts(image, raw_dir):
+            continue
+        number = image.name[len("img") : -len(NII)]
+        case_id = f"btcv_{number}"
+        label = _label_or_missing(case_id, image.parent.parent / "label" / f"label{number}{NII}", skip_unlabelled)
+        if label is not None:
+            cases.append(RawCase(case_id, image, label))
+    if not cases:
+        raise _no_cases(raw_dir, "Training/img/img0001.nii.gz and Training/label/label0001.nii.gz (BTCV RawData)")
+    return cases
+
+
+PROSTATE_SOURCE, PROSTATE_TARGET = "BMC", "I2CVB"
+
+
+def find_prostate(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
+    """Multi-site prostate: ``<SITE>/CaseNN.nii.gz`` + ``CaseNN_segmentation.nii.gz`` (BMC: ``_Segmentation``);
+    the paper's source site BMC (A) and target site I2CVB (B)."""
+    cases = []
+    for site in (PROSTATE_SOURCE, PROSTATE_TARGET):
+        folder = raw_dir / site
+        if not folder.is_dir():
+            raise PrepareError(f"site folder {folder} missing: expected {raw_dir}/{{BMC,I2CVB}}/CaseNN.nii.gz")
+        for image in sorted(folder.glob("Case*" + NII)):
+            if "egmentation" in image.name:
+                continue
+            stem = image.name[: -len(NII)]
+            candidates = [folder / f"{stem}_segmentation{NII}", folder / f"{stem}_Segmentation{NII}"]
+            found = next((c for c in candidates if c.is_file()), candidates[0])
+            label = _label_or_missing(f"{site}_{stem}", found, skip_unlabelled)
+            if label is not None:
+                cases.append(RawCase(f"{site}_{stem}", image, label, domain=site))
+    if not cases:
+        raise _no_cases(raw_dir, "BMC/Case00.nii.gz + BMC/Case00_Segmentation.nii.gz and I2CVB/Case00.nii.gz ...")
+    return cases
+
+
+MSCMR_SOURCE, MSCMR_TARGET = "C0", "LGE"
+
+
+def find_mscmrseg(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
+    """MS-CMRSeg 2019: ``patientN_C0.nii.gz`` (bSSFP) and ``patientN_LGE.nii.gz`` with ``patientN_<SEQ>_manual``
+    labels anywhere under the raw folder (the release keeps them in ``c0gt/``, ``lgegt/``); T2 is not used."""
+    labels = {p.name: p for p in raw_dir.rglob("patient*_manual" + NII)}
+    cases = []
+    for image in sorted(raw_dir.rglob("patient*" + NII)):
+        match = re.fullmatch(r"patient(\d+)_(C0|LGE)\.nii\.gz", image.name)
+        if not match:
+            continue
+        number, sequence = int(match.group(1)), match.group(2)
+        case_id = f"patient{number:02d}_{sequence}"  # zero-padded: the paper's splits follow patient numbers
+        expected = labels.get(
+            f"patient{number}_{sequence}_manual{NII}", image.with_name(f"{image.name[:-7]}_manual{NII}")
+        )
+        label = _label_or_missing(case_id, expected, skip_unlabelled)
+        if label is not None:
+            cases.append(RawCase(case_id, image, label, domain=sequence))
+    if not cases:
+        raise _no_cases(raw_dir, "patient1_C0.nii.gz, patient1_LGE.nii.gz and their *_manual.nii.gz labels")
+    return cases
+
+
+MNMS_FOLDERS = ("Training", "Validation", "Testing")
+MNMS_UNSEEN_CENTRE = "5"
+
+
+def read_mnms_table(raw_dir: Path) -> dict[str, dict[str, str]]:
+    """``{External code: row}`` from the M&Ms information CSV (columns ``External code``, ``Centre``, ``ED``,
+    ``ES``)."""
+    for path in sorted(raw_dir.rglob("*.csv")):
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if rows and {"External code", "Centre", "ED", "ES"} <= set(rows[0]):
+            return {row["External code"].strip(): row for row in rows}
+    raise PrepareError(
+        f"no M&Ms information table under {raw_dir}: expected a CSV with columns 'External code', 'Centre', "
+        "'ED', 'ES' (211230_M&Ms_Dataset_information_diagnosis_opendataset.csv)"
+    )
+
+
+def _frame(code: str, row: dict[str, str], phase: str) -> int:
+    try:
+        return int(float(row[phase]))
+    except (TypeError, ValueError) as err:
+        raise PrepareError(
+            f"case {code}: {phase} frame {row.get(phase)!r} in the information table is not a number"
+        ) from err
+
+
+def find_mnms(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
+    """M&Ms: ``<Training/Labeled|Training/Unlabeled|Validation|Testing>/<CODE>/<CODE>_sa.nii.gz`` + ``_sa_gt``;
+    two 3D volumes per subject, the ED and ES frames named by the information CSV (0-based)."""
+    table = read_mnms_table(raw_dir)
+    cases = []
+    for image in sorted(raw_dir.rglob("*_sa" + NII)):
+        parts = _relative_parts(image, raw_dir)
+        folder = next((p for p in parts if p in MNMS_FOLDERS), "")
+        code = image.name[: -len("_sa" + NII)]
+        if code not in table:
+            raise PrepareError(f"case {code}: not in the M&Ms information table (ED/ES frames unknown)")
+        label = image.with_name(f"{code}_sa_gt{NII}")
+        unlabelled_by_design = "Unlabeled" in parts
+        if not label.is_file() and unlabelled_by_design:
+            continue
+        label = _label_or_missing(code, label, skip_unlabelled)
+        if label is None:
+            continue
+        row = table[code]
+        for phase in ("ED", "ES"):
+            cases.append(
+                RawCase(
+                    f"{code}_{phase}",
+                    image,
+                    label,
+                    domain=str(row["Centre"]).strip(),
+                    folder=folder,
+                    frame=_frame(code, row, phase),
+                    subject=code,
+                    optional=unlabelled_by_design,
+                )
+            )
+    if not cases:
+        raise _no_cases(raw_dir, "Training/Labeled/<CODE>/<CODE>_sa.nii.gz and <CODE>_sa_gt.nii.gz (M&Ms)")
+    return cases

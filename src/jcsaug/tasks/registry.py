@@ -1,0 +1,171 @@
+"""The paper's six dataset tasks (SPEC §6, DATASETS.md) by name: :data:`TASKS` and :func:`get_task`."""
+
+from __future__ import annotations
+
+from jcsaug.tasks import layouts
+from jcsaug.tasks.spec import PrepareError, RawCase, TaskSpec
+from jcsaug.tasks.splits import half_subset, ordered_split, random_split
+
+__all__ = ["TASKS", "get_task"]
+
+
+def _random_rule(train: int, val: int, test: int, half: int | None = None):
+    """Seeded random training/validation/test split; ``training_50`` too when the paper has a 50 % variant."""
+
+    def rule(cases: list[RawCase], seed: int) -> dict[str, list[str]]:
+        splits = random_split(cases, {"training": train, "validation": val, "test": test}, seed)
+        if half is not None:
+            splits["training_50"] = half_subset(splits["training"], half, train, seed)
+        return splits
+
+    return rule
+
+
+def _cross_domain_rule(source: str, target: str, source_sizes: dict, target_sizes: dict):
+    """Source-domain cases in id order to ``source_sizes``, target-domain cases to ``target_sizes``."""
+
+    def rule(cases: list[RawCase], seed: int) -> dict[str, list[str]]:
+        splits: dict[str, list[str]] = {}
+        for domain, sizes in ((source, source_sizes), (target, target_sizes)):
+            chosen = [c for c in cases if c.domain == domain]
+            splits.update(ordered_split(chosen, sizes, f"{domain} cases"))
+        return splits
+
+    return rule
+
+
+def _mnms_rule(unseen_centre: str = layouts.MNMS_UNSEEN_CENTRE):
+    """M&Ms by the dataset's folders: train on ``Training`` (seen centres), validate and test on the unseen
+    centre's ``Validation`` and ``Testing`` cases; ``test_seen`` = ``Testing`` cases of the other centres."""
+
+    def rule(cases: list[RawCase], seed: int) -> dict[str, list[str]]:
+        def pick(folder: str, unseen: bool) -> list[str]:
+            return sorted(c.case_id for c in cases if c.folder == folder and (c.domain == unseen_centre) == unseen)
+
+        splits = {
+            "training": pick("Training", False),
+            "validation": pick("Validation", True),
+            "test": pick("Testing", True),
+            "test_seen": pick("Testing", False),
+        }
+        for name in ("training", "validation", "test"):
+            if not splits[name]:
+                raise PrepareError(
+                    f"M&Ms split {name!r} is empty: check the Training/Validation/Testing folders "
+                    f"and that centre {unseen_centre} (the unseen domain) has Validation/Testing cases"
+                )
+        return splits
+
+    return rule
+
+
+BTCV_ORGANS = {
+    0: "background", 1: "spleen", 2: "right kidney", 3: "left kidney", 4: "gallbladder", 5: "oesophagus",
+    6: "liver", 7: "stomach", 8: "aorta", 9: "inferior vena cava", 10: "portal and splenic veins",
+    11: "pancreas", 12: "right adrenal gland", 13: "left adrenal gland",
+}  # fmt: skip
+CARDIAC = {0: "background", 1: "LV blood pool", 2: "LV myocardium", 3: "RV blood pool"}
+
+TASKS: dict[str, TaskSpec] = {
+    spec.name: spec
+    for spec in (
+        TaskSpec(
+            name="atlas_stroke",
+            title="ATLAS v2.0 T1 MR chronic stroke lesions",
+            modality="MR",
+            labels={0: "background", 1: "lesion"},
+            spacing=(1.0, 1.0, 1.0),
+            orientation="RAS",
+            find_cases=layouts.find_atlas,
+            layout="ATLAS_2/Training/R*/sub-*/ses-1/anat/*_T1w.nii.gz + *_label-L_desc-T1lesion_mask.nii.gz",
+            assign_splits=_random_rule(145, 31, 44, half=73),
+            report_classes={"lesion": (1,)},
+            source="https://fcon_1000.projects.nitrc.org/indi/retro/atlas.html (ATLAS R2.0, after accepting the terms)",
+        ),
+        TaskSpec(
+            name="kits19_tumor",
+            title="KiTS19 contrast CT, kidney and tumour",
+            modality="CT",
+            labels={0: "background", 1: "kidney", 2: "tumour"},
+            spacing=(1.6, 1.6, 3.2),
+            orientation="RAS",
+            find_cases=layouts.find_kits19,
+            layout="kits19/data/case_XXXXX/imaging.nii.gz + segmentation.nii.gz",
+            assign_splits=_random_rule(140, 28, 42, half=70),
+            report_classes={"tumour": (2,)},
+            source="https://github.com/neheller/kits19 (python -m starter_code.get_imaging)",
+        ),
+        TaskSpec(
+            name="btcv_abdomen",
+            title="BTCV abdominal CT, 13 organs",
+            modality="CT",
+            labels=BTCV_ORGANS,
+            spacing=(1.6, 1.6, 3.2),
+            orientation="RAS",
+            find_cases=layouts.find_btcv,
+            layout="Abdomen/RawData/Training/img/img00NN.nii.gz + Training/label/label00NN.nii.gz",
+            assign_splits=_random_rule(20, 4, 6),
+            report_classes={"rare organs": (4, 5, 8, 9, 10, 11, 12, 13)},
+            source="https://www.synapse.org/#!Synapse:syn3193805 (Synapse account, join the challenge)",
+        ),
+        TaskSpec(
+            name="prostate_crosssite",
+            title="prostate T2 MR, site A (BMC, 1.5T) -> site B (I2CVB, 3T)",
+            modality="MR",
+            labels={0: "background", 1: "prostate"},
+            spacing=(0.8, 0.8, 1.5),
+            orientation="RAS",
+            find_cases=layouts.find_prostate,
+            layout="Processed_data_nii/{BMC,I2CVB}/CaseNN.nii.gz + CaseNN_segmentation.nii.gz (BMC: _Segmentation)",
+            assign_splits=_cross_domain_rule(
+                layouts.PROSTATE_SOURCE,
+                layouts.PROSTATE_TARGET,
+                {"training": 20, "test_source": 6},
+                {"validation": 1, "test": 18},
+            ),
+            report_classes={"prostate": (1,)},
+            label_map={0: 0, 1: 1, 2: 1},  # some masks contain 2 (SAML maps 2 -> 1)
+            copy_image_geometry_to_label=True,
+            source="https://liuquande.github.io/SAML/ (Processed_data_nii)",
+        ),
+        TaskSpec(
+            name="cardiac_crosssequence",
+            title="MS-CMRSeg 2019 cardiac MR, bSSFP -> LGE",
+            modality="MR",
+            labels=CARDIAC,
+            spacing=(1.25, 1.25, 0.0),  # in-plane only: slices stay as acquired
+            orientation=None,
+            find_cases=layouts.find_mscmrseg,
+            layout="patientN_{C0,LGE}.nii.gz + patientN_{C0,LGE}_manual.nii.gz anywhere below RAW_DIR",
+            assign_splits=_cross_domain_rule(
+                layouts.MSCMR_SOURCE,
+                layouts.MSCMR_TARGET,
+                {"training": 30, "test_source": 10},
+                {"validation": 1, "test": 44},
+            ),
+            report_classes={"LV": (1,), "MYO": (2,), "RV": (3,)},
+            label_map={0: 0, 500: 1, 200: 2, 600: 3},
+            source="https://zmiclab.github.io/zxh/0/mscmrseg19/ (registration)",
+        ),
+        TaskSpec(
+            name="cardiac_crosssite",
+            title="M&Ms multi-vendor cardiac MR, unseen centre 5",
+            modality="MR",
+            labels=CARDIAC,
+            spacing=(1.25, 1.25, 10.0),
+            orientation=None,
+            find_cases=layouts.find_mnms,
+            layout="Training/Labeled/<CODE>/<CODE>_sa.nii.gz + _sa_gt.nii.gz, Validation/, Testing/ + information CSV",
+            assign_splits=_mnms_rule(),
+            report_classes={"LV": (1,), "MYO": (2,), "RV": (3,)},
+            source="https://www.ub.edu/mnms/ (registration)",
+        ),
+    )
+}
+
+
+def get_task(name: str) -> TaskSpec:
+    """The task called ``name``; unknown names raise ``KeyError`` listing the choices."""
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name]

@@ -1,0 +1,239 @@
+"""`jcsaug prepare`: every task's raw layout -> resampled volumes + datalist; resume; bad raw data named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+import jcsaug.tasks.prepare as prepare_module
+from fake_raw import TASK_NAMES, make_fake_raw, raw_case_files
+from jcsaug.data import intensity_normalisation
+from jcsaug.tasks import PrepareError, get_task, load_split, paper_setting, prepare_task
+from jcsaug.tasks.splits import half_subset, scaled_sizes
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_prepared_dataset_matches_the_task(prepared, task):
+    spec = get_task(task)
+    _, data = prepared[task]
+    datalist = json.loads((data / "dataset.json").read_text())
+    assert datalist["name"] == task and datalist["labels"] == {str(k): v for k, v in spec.labels.items()}
+    for split in ("training", "validation", "test"):
+        assert datalist[split], split
+    seen: set[str] = set()
+    for split in datalist["num_cases"]:
+        if split.startswith("training_"):
+            continue
+        ids = {e["case"] for e in datalist[split]}
+        assert not ids & seen, f"case in two splits: {ids & seen}"
+        seen |= ids
+    for entry in datalist["training"]:
+        image, label = nib.load(str(data / entry["image"])), nib.load(str(data / entry["label"]))
+        assert image.shape == label.shape and len(image.shape) == 3
+        np.testing.assert_allclose(image.affine, label.affine)
+        zooms = image.header.get_zooms()
+        for axis, target in enumerate(spec.spacing):
+            if target > 0:
+                assert zooms[axis] == pytest.approx(target, rel=1e-3), (axis, zooms)
+        values = set(np.unique(np.asarray(label.dataobj)).tolist())
+        assert values <= set(spec.labels) and len(values) > 1
+    scheme = datalist["normalisation"]["scheme"]
+    assert scheme == ("ct" if spec.modality == "CT" else "zscore")
+
+
+def test_kits_slice_axis_ends_last_and_ct_is_normalised(prepared):
+    """KiTS arrays are stored (z, y, x) with a permuting affine; after RAS reorientation the 3.2 mm axis is last."""
+    _, data = prepared["kits19_tumor"]
+    files = load_split(data, "training", "kits19_tumor")
+    image = nib.load(files[0]["image"])
+    assert image.header.get_zooms() == pytest.approx((1.6, 1.6, 3.2), rel=1e-3)
+    assert nib.aff2axcodes(image.affine) == ("R", "A", "S")
+    norm = json.loads((data / "dataset.json").read_text())["normalisation"]
+    lo, hi = norm["clip"]
+    transform = intensity_normalisation(data)
+    x = transform({"image": np.asarray(image.dataobj, dtype=np.float32)[None]})["image"]
+    assert float(x.min()) == pytest.approx((lo - norm["mean"]) / norm["std"], abs=1e-4)
+    assert float(x.max()) == pytest.approx((hi - norm["mean"]) / norm["std"], abs=1e-4)
+
+
+def test_cross_domain_and_reduced_data_splits(prepared):
+    prostate = json.loads((prepared["prostate_crosssite"][1] / "dataset.json").read_text())
+    assert {e["domain"] for e in prostate["training"] + prostate["test_source"]} == {"BMC"}
+    assert {e["domain"] for e in prostate["validation"] + prostate["test"]} == {"I2CVB"}
+    assert len(prostate["validation"]) == 1 and prostate["validation"][0]["case"] == "I2CVB_Case00"
+    mnms = json.loads((prepared["cardiac_crosssite"][1] / "dataset.json").read_text())
+    assert {e["domain"] for e in mnms["validation"] + mnms["test"]} == {"5"}
+    assert "5" not in {e["domain"] for e in mnms["training"]}
+    by_subject = {}
+    for split in ("training", "validation", "test", "test_seen"):
+        for e in mnms[split]:
+            by_subject.setdefault(e["case"].rsplit("_", 1)[0], set()).add(split)
+    assert all(len(s) == 1 for s in by_subject.values()), "ED and ES of a subject in different splits"
+    atlas = json.loads((prepared["atlas_stroke"][1] / "dataset.json").read_text())
+    half = {e["case"] for e in atlas["training_50"]}
+    assert half < {e["case"] for e in atlas["training"]}
+    with pytest.raises(ValueError, match="training_50"):
+        load_split(prepared["btcv_abdomen"][1], "training", "btcv_abdomen", train_fraction=0.5)
+
+
+def test_split_sizes_follow_the_paper_and_scale_down():
+    assert scaled_sizes(220, [145, 31, 44]) == [145, 31, 44]
+    assert scaled_sizes(655, [145, 31, 44]) == [145, 31, 44]
+    small = scaled_sizes(8, [145, 31, 44])
+    assert sum(small) == 8 and min(small) >= 1 and small[0] > small[1]
+    with pytest.raises(PrepareError, match="at least 3"):
+        scaled_sizes(2, [145, 31, 44])
+    assert len(half_subset([f"c{i}" for i in range(145)], 73, 145, seed=0)) == 73
+    assert len(half_subset([f"c{i}" for i in range(140)], 70, 140, seed=0)) == 70
+
+
+def test_rerun_skips_finished_cases_and_an_interrupted_run_resumes(tmp_path, monkeypatch):
+    raw = make_fake_raw("btcv_abdomen", tmp_path / "raw")
+    calls: list[str] = []
+    original = prepare_module.prepare_case
+
+    def interrupted(spec, case, out_dir, seed=0):
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        calls.append(case.case_id)
+        return original(spec, case, out_dir, seed)
+
+    monkeypatch.setattr(prepare_module, "prepare_case", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_task("btcv_abdomen", raw, tmp_path / "data", progress=False)
+    assert not (tmp_path / "data" / "dataset.json").exists()
+    done = list(calls)
+    calls.clear()
+    monkeypatch.setattr(
+        prepare_module, "prepare_case", lambda *a, **k: (calls.append(a[1].case_id), original(*a, **k))[1]
+    )
+    first = prepare_task("btcv_abdomen", raw, tmp_path / "data", progress=False)
+    assert not set(calls) & set(done) and len(calls) == 10 - len(done)
+    calls.clear()
+    assert prepare_task("btcv_abdomen", raw, tmp_path / "data", progress=False) == first
+    assert calls == []
+    with pytest.raises(PrepareError, match="other settings"):
+        prepare_task("btcv_abdomen", raw, tmp_path / "data", seed=1, progress=False)
+
+
+def _needle(task: str, key: str) -> str:
+    return key[3:] if task == "btcv_abdomen" else key  # BTCV files are img0001 / label0001
+
+
+def _rewrite(path: Path, array: np.ndarray | None = None, affine: np.ndarray | None = None) -> None:
+    nii = nib.load(str(path))
+    data = np.asarray(nii.dataobj) if array is None else array
+    nib.save(nib.Nifti1Image(data, nii.affine if affine is None else affine), str(path))
+
+
+def _first_labelled(task: str, raw: Path) -> tuple[str, Path, Path]:
+    files = raw_case_files(task, raw)
+    skip = {"RUNMC"} if task == "prostate_crosssite" else set()
+    key = next(k for k in sorted(files) if not any(k.startswith(s) for s in skip) and "LGE" not in k)
+    return key, *files[key]
+
+
+def _prepare_error(task: str, raw: Path, out: Path) -> str:
+    with pytest.raises(PrepareError) as err:
+        prepare_task(task, raw, out, progress=False)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_missing_label_is_named(tmp_path, task):
+    raw = make_fake_raw(task, tmp_path / "raw")
+    key, _, label = _first_labelled(task, raw)
+    label.unlink()
+    message = _prepare_error(task, raw, tmp_path / "data")
+    assert "label file missing" in message and _needle(task, key) in message
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_shape_mismatch_is_named(tmp_path, task):
+    raw = make_fake_raw(task, tmp_path / "raw")
+    key, _, label = _first_labelled(task, raw)
+    data = np.asarray(nib.load(str(label)).dataobj)
+    _rewrite(label, data[:-2])
+    message = _prepare_error(task, raw, tmp_path / "data")
+    assert "shape" in message and _needle(task, key) in message
+
+
+@pytest.mark.parametrize("task", [t for t in TASK_NAMES if t != "prostate_crosssite"])
+def test_affine_mismatch_is_named(tmp_path, task):
+    raw = make_fake_raw(task, tmp_path / "raw")
+    key, _, label = _first_labelled(task, raw)
+    affine = nib.load(str(label)).affine.copy()
+    affine[:3, 3] += 5.0
+    _rewrite(label, affine=affine)
+    message = _prepare_error(task, raw, tmp_path / "data")
+    assert "affines differ" in message and _needle(task, key) in message
+
+
+def test_prostate_label_geometry_is_copied_from_the_image(prepared):
+    """The fake I2CVB_Case01 label has 0.8001 mm zooms (the known quirk): prepared, not refused."""
+    _, data = prepared["prostate_crosssite"]
+    assert (data / "labels" / "I2CVB_Case01.nii.gz").is_file()
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_label_values_outside_the_classes_are_named(tmp_path, task):
+    raw = make_fake_raw(task, tmp_path / "raw")
+    key, _, label = _first_labelled(task, raw)
+    data = np.asarray(nib.load(str(label)).dataobj).copy()
+    data.flat[0] = 77
+    _rewrite(label, data)
+    message = _prepare_error(task, raw, tmp_path / "data")
+    assert "[77]" in message and _needle(task, key) in message
+
+
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_no_foreground_in_a_training_case_is_named(tmp_path, task, prepared):
+    training_case = json.loads((prepared[task][1] / "dataset.json").read_text())["training"][0][
+        "case"
+    ]  # e.g. A0S9V9_ED
+    raw = make_fake_raw(task, tmp_path / "raw")
+    files = raw_case_files(task, raw)
+    key = next(k for k in files if k in training_case or _needle(task, k) in training_case
+               or training_case.startswith(k) or training_case == k.replace("patient", "patient0"))  # fmt: skip
+    label = files[key][1]
+    _rewrite(label, np.zeros_like(np.asarray(nib.load(str(label)).dataobj)))
+    message = _prepare_error(task, raw, tmp_path / "data")
+    assert "no foreground" in message and "'training'" in message and f"case {training_case}:" in message
+
+
+def test_unknown_task_and_missing_raw_folder(tmp_path):
+    with pytest.raises(PrepareError, match="unknown task"):
+        prepare_task("nope", tmp_path, tmp_path / "out")
+    with pytest.raises(PrepareError, match="does not exist"):
+        prepare_task("kits19_tumor", tmp_path / "missing", tmp_path / "out")
+    with pytest.raises(PrepareError, match="no cases found"):
+        prepare_task("kits19_tumor", tmp_path, tmp_path / "out")
+
+
+def test_paper_setting_table_and_fallback(caplog):
+    table = {"deepmedic": {"0.5": ["dice", 1e-3], "1.0": ["dice", 2e-3]}, "unet3d": {"1.0": ["ce", 5e-4]}}
+    assert paper_setting(table, "deepmedic", 0.5) == ("dice", 1e-3)
+    assert paper_setting(table, "unet3d", 1.0) == ("ce", 5e-4)
+    with caplog.at_level("WARNING"):
+        assert paper_setting(table, "transformer", 0.5) == ("dice", 1e-3)
+    assert "no L_val/beta for transformer" in caplog.text
+
+
+def test_cli_prepare_reports_errors_without_a_traceback(tmp_path):
+    raw = make_fake_raw("kits19_tumor", tmp_path / "raw")
+    ok = subprocess.run([sys.executable, "-m", "jcsaug.cli", "prepare", "kits19_tumor", str(raw), "--out",
+                         str(tmp_path / "data"), "--quiet"], capture_output=True, text=True)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert Path(ok.stdout.strip()) == tmp_path / "data" / "dataset.json"
+    shutil.rmtree(raw / "case_00001")
+    (raw / "case_00001").mkdir()
+    bad = subprocess.run([sys.executable, "-m", "jcsaug.cli", "prepare", "kits19_tumor", str(raw), "--out",
+                          str(tmp_path / "other")], capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 1 and "case_00001" in bad.stderr and "Traceback" not in bad.stderr
