@@ -14,6 +14,7 @@ from monai.losses import DiceCELoss
 
 from helpers import lesion_batch, tiny_unet, train_engine
 from jcsaug.engine import (
+    SegmentationLoss,
     TEAPolicyUpdater,
     TRAPolicyUpdater,
     finite_difference_hypergradient,
@@ -187,3 +188,28 @@ def test_same_seed_same_policy_trajectory():
     second, _, _ = _run_updates("ignite", iterations=2)
     assert torch.equal(first.policy.logits, second.policy.logits)
     np.testing.assert_array_equal(first.generator.get_state().numpy(), second.generator.get_state().numpy())
+
+
+@pytest.mark.parametrize("hypergradient", ["finite-difference", "jvp"])
+def test_tra_update_keeps_training_a_network_with_shared_modules(hypergradient):
+    """MONAI's DynUNet reaches its encoder blocks by two module paths; torch.func.functional_call alone leaves
+    detached tensors in one of them, after which SGD no longer trains the network (regression)."""
+    from jcsaug.networks import make_network
+
+    torch.manual_seed(0)
+    net = make_network("unet3d", 1, 2, [16, 16, 16])
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    tra = make_tra_policy("uniform", num_groups=2)
+    data = [lesion_batch(4, seed=i, tra_policy=tra) for i in range(2)]
+    val = [lesion_batch(4, seed=100)]
+    updater = TRAPolicyUpdater(tra, net, val, opt, lr=0.05, seed=0, hypergradient=hypergradient)
+    engine = SupervisedTrainer(
+        device=torch.device("cpu"), max_epochs=1, train_data_loader=data, network=net, optimizer=opt,
+        loss_function=SegmentationLoss("ce+dice"), train_handlers=[updater],
+    )  # fmt: skip
+    engine.run()
+    assert updater.updates == 2
+    in_optimizer = {id(p) for group in opt.param_groups for p in group["params"]}
+    params = list(net.parameters())
+    assert all(isinstance(p, torch.nn.Parameter) and p.requires_grad for p in params)
+    assert all(id(p) in in_optimizer for p in params)

@@ -4,6 +4,8 @@ then `evaluate.yaml`; the configs carry SPEC §6's settings."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,17 +24,22 @@ UNET_TEST_PATCH = {"prostate_crosssite": "[32,32,16]", "cardiac_crosssequence": 
 SMALL_DEEPMEDIC = "{'feature_maps': [4,4,4,4,4,4,4,4], 'fc_feature_maps': [8,8]}"
 
 
-def run_task_bundle(task: str, tmp_path: Path, dataset_dir: Path, *configs: str, **overrides) -> None:
+def run_task_bundle(
+    task: str, tmp_path: Path, dataset_dir: Path, *configs: str, launcher: tuple[str, ...] = (), **overrides
+) -> str:
     folder = BUNDLES / task / "configs"
     files = [str(folder / c) for c in configs]
-    args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", files[0] if len(files) == 1 else str(files),
+    launch = list(launcher) or [sys.executable]
+    args = [*launch, "-m", "monai.bundle", "run", "--config_file", files[0] if len(files) == 1 else str(files),
             "--meta_file", str(folder / "metadata.json"), "--logging_file", str(folder / "logging.conf")]  # fmt: skip
     settings = {"dataset_dir": dataset_dir, "max_epochs": 1, "epoch_length": 2, "num_workers": 0,
                 "cases_per_batch": 2, "val_batch_size": 4, "num_tea_copies": 2, **overrides}  # fmt: skip
     for key, value in settings.items():
         args += [f"--{key}", str(value)]
-    result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if launcher else None
+    result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    return result.stdout + result.stderr
 
 
 def _metrics(path: Path) -> dict:
@@ -54,11 +61,31 @@ def test_bundle_trains_and_evaluates_with_unet_and_deepmedic(task, tmp_path, pre
     run_task_bundle(task, tmp_path, data, "train.yaml", "evaluate.yaml", network="unet3d", output_dir=unet,
                     patch_size=UNET_TEST_PATCH.get(task, "[32,32,32]"))  # fmt: skip
     assert {"none", "learned"} <= set(_metrics(unet / "metrics_evaluate.json"))
+    assert (unet / "per_case.csv").is_file() and (unet / "per_case_evaluate.csv").is_file()
+    if task in ("atlas_stroke", "cardiac_crosssite"):  # RAS-oriented and stored-axes tasks
+        run_task_bundle(task, tmp_path, data, "train.yaml", "inference.yaml", network="unet3d", output_dir=unet,
+                        patch_size=UNET_TEST_PATCH.get(task, "[32,32,32]"))  # fmt: skip
+        test_cases = json.loads((data / "dataset.json").read_text())["test"]
+        predicted = sorted(p.name for p in (unet / "predictions").glob("*_seg.nii.gz"))
+        assert predicted == sorted(f"{c['case']}_seg.nii.gz" for c in test_cases)
 
     deepmedic = tmp_path / "deepmedic"
     run_task_bundle(task, tmp_path, data, "train.yaml", network="deepmedic", output_dir=deepmedic,
                     network_kwargs=SMALL_DEEPMEDIC, epoch_length=1)  # fmt: skip
     assert _metrics(deepmedic / "metrics.json")
+
+
+def test_dataset_bundle_multi_gpu_config_runs_under_torchrun(tmp_path, prepared):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}")  # fmt: skip
+    log = run_task_bundle("kits19_tumor", tmp_path, prepared["kits19_tumor"][1], "train.yaml", "multi_gpu_train.yaml",
+                          launcher=launcher, network="unet3d", output_dir=tmp_path / "run", patch_size="[32,32,32]",
+                          cases_per_batch=1, tra_update_every=1, tea_update_every=1)  # fmt: skip
+    assert (tmp_path / "run" / "metrics.json").is_file() and (tmp_path / "run" / "policies.json").is_file()
+    assert log.count(": TEA update 2;") == 1  # rank 0 logs, the updates are collective
 
 
 def _config(task: str) -> dict:
@@ -114,3 +141,30 @@ def test_settings_tables_match_spec_section_6():
     found = {(task, net, frac): value for task in TASK_NAMES
              for net, fracs in _config(task)["settings_table"].items() for frac, value in fracs.items()}  # fmt: skip
     assert found == rows
+
+
+def test_command_line_flags_are_parsed_as_booleans():
+    """`--train_on_val false` reaches a bundle as the string 'false'; as_flag reads it as False."""
+    from jcsaug.utils import as_flag
+
+    assert [as_flag(v) for v in (True, "true", "True", "yes", "1", 1)] == [True] * 6
+    assert [as_flag(v) for v in (False, "false", "False", "no", "0", 0, None)] == [False] * 7
+    with pytest.raises(ValueError, match="'maybe'"):
+        as_flag("maybe")
+
+
+#: the ids that make a dataset bundle's train.yaml its own; everything else is shared machinery
+TASK_KEYS = {"task", "dataset_dir", "train_fraction", "max_epochs", "train_on_val", "test_split", "num_classes",
+             "spacing", "settings_table", "patch_table"}  # fmt: skip
+
+
+def test_dataset_bundles_share_their_machinery():
+    """The six train.yaml files differ only in the task block: a fix to one must be made to all."""
+    reference = {k: v for k, v in _config(TASK_NAMES[0]).items() if k not in TASK_KEYS}
+    for task in TASK_NAMES[1:]:
+        config = {k: v for k, v in _config(task).items() if k not in TASK_KEYS}
+        differing = sorted(k for k in set(reference) | set(config) if reference.get(k) != config.get(k))
+        assert not differing, f"{task}/configs/train.yaml differs from {TASK_NAMES[0]} in {differing}"
+    for name in ("evaluate.yaml", "inference.yaml", "multi_gpu_train.yaml"):
+        texts = {t: yaml.safe_load((BUNDLES / t / "configs" / name).read_text()) for t in TASK_NAMES}
+        assert all(v == texts[TASK_NAMES[0]] for v in texts.values()), name

@@ -25,6 +25,23 @@ def flat_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values()))
 
 
+def call_with(model: nn.Module, tensors: Mapping[str, torch.Tensor], *args: torch.Tensor):
+    """``torch.func.functional_call(model, tensors, args)``, then the model's own parameters and buffers put back.
+
+    Why by hand: ``functional_call`` does not restore the parameters of modules reachable by two paths (MONAI's
+    ``DynUNet`` reaches its encoder blocks through ``input_block``/``downsamples`` and through ``skip_layers``):
+    they come back as the swapped-in plain tensors, so the network silently stops training (its optimiser keeps
+    updating the original parameters, which the network no longer uses).
+    """
+    slots = [(store, key, value) for m in model.modules() for store in (m._parameters, m._buffers)
+             for key, value in store.items()]  # fmt: skip
+    try:
+        return functional_call(model, dict(tensors), args)
+    finally:
+        for store, key, value in slots:
+            store[key] = value
+
+
 def _losses_at(
     model: nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -33,7 +50,7 @@ def _losses_at(
     label: torch.Tensor,
     loss_fn: PerSampleLoss,
 ) -> torch.Tensor:
-    return loss_fn(main_output(functional_call(model, {**params, **buffers}, (image,))), label)
+    return loss_fn(main_output(call_with(model, {**params, **buffers}, image)), label)
 
 
 def finite_difference_hypergradient(

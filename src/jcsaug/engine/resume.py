@@ -19,6 +19,7 @@ from ignite.engine import Engine, Events
 from monai.utils import set_determinism
 
 from jcsaug.engine.checkpoints import load_checkpoint, save_checkpoint_atomic
+from jcsaug.utils import as_flag
 
 logger = logging.getLogger("jcsaug.engine")
 
@@ -82,7 +83,7 @@ class ResumeCheckpoint:
     def __init__(self, output_dir: str | Path, objects: Mapping, resume: bool = False) -> None:
         self.path = Path(output_dir) / RESUME_FILE
         self.objects = dict(objects)
-        self.resume = bool(resume)
+        self.resume = as_flag(resume)
 
     def attach(self, engine: Engine) -> None:
         self.objects["trainer"] = engine

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from jcsaug.evaluation.metrics import METRICS, case_metrics, count_statuses, nanmean, summarize_cases
 from jcsaug.policy.io import atomic_write_text
+from jcsaug.utils import as_flag
 
 CSV_COLUMNS: tuple[str, ...] = ("method", "case", "class", *METRICS, "status")
 """Columns of ``per_case.csv``: one row per method, case and foreground class."""
@@ -179,6 +180,7 @@ def evaluate_cases(
         "per_case": [{"case", "dice", "mean_dice", "sensitivity", "precision", "hd95", "status",
         "spacing"}]}}`` — per-case metric values are lists over the foreground classes.
     """
+    keep_largest_component = as_flag(keep_largest_component)  # '--keep_largest_component false' is a string
     if not cases:
         raise ValueError("no cases to evaluate")
     device = torch.device(device)

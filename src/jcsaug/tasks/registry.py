@@ -21,14 +21,17 @@ def _random_rule(train: int, val: int, test: int, half: int | None = None):
     return rule
 
 
-def _cross_domain_rule(source: str, target: str, source_sizes: dict, target_sizes: dict):
-    """Source-domain cases in id order to ``source_sizes``, target-domain cases to ``target_sizes``."""
+def _cross_domain_rule(source: str, target: str, source_sizes: dict, target_sizes: dict, random_target: bool):
+    """Source-domain cases in id order to ``source_sizes``, target-domain cases to ``target_sizes`` (in id order,
+    or seeded random where the paper picked its target validation case at random)."""
 
     def rule(cases: list[RawCase], seed: int) -> dict[str, list[str]]:
-        splits: dict[str, list[str]] = {}
-        for domain, sizes in ((source, source_sizes), (target, target_sizes)):
-            chosen = [c for c in cases if c.domain == domain]
-            splits.update(ordered_split(chosen, sizes, f"{domain} cases"))
+        splits = ordered_split([c for c in cases if c.domain == source], source_sizes, f"{source} cases")
+        chosen = [c for c in cases if c.domain == target]
+        if random_target:
+            splits.update(random_split(chosen, target_sizes, seed))
+        else:
+            splits.update(ordered_split(chosen, target_sizes, f"{target} cases"))
         return splits
 
     return rule
@@ -122,6 +125,7 @@ TASKS: dict[str, TaskSpec] = {
                 layouts.PROSTATE_TARGET,
                 {"training": 20, "test_source": 6},
                 {"validation": 1, "test": 18},
+                random_target=False,  # the reference lists: I2CVB Case00 validates
             ),
             report_classes={"prostate": (1,)},
             label_map={0: 0, 1: 1, 2: 1},  # some masks contain 2 (SAML maps 2 -> 1)
@@ -142,6 +146,7 @@ TASKS: dict[str, TaskSpec] = {
                 layouts.MSCMR_TARGET,
                 {"training": 30, "test_source": 10},
                 {"validation": 1, "test": 44},
+                random_target=True,  # the paper: one LGE case, at random
             ),
             report_classes={"LV": (1,), "MYO": (2,), "RV": (3,)},
             label_map={0: 0, 500: 1, 200: 2, 600: 3},
