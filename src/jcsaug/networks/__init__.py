@@ -17,6 +17,7 @@ from jcsaug.networks.factory import (
     make_network,
     network_patch_sizes,
     nnunet_kernels_strides,
+    patch_sizes_of,
     split_deep_supervision,
 )
 
@@ -33,5 +34,6 @@ __all__ = [
     "make_network",
     "network_patch_sizes",
     "nnunet_kernels_strides",
+    "patch_sizes_of",
     "split_deep_supervision",
 ]

@@ -37,6 +37,7 @@ __all__ = [
     "make_network",
     "network_patch_sizes",
     "nnunet_kernels_strides",
+    "patch_sizes_of",
     "split_deep_supervision",
 ]
 
@@ -229,16 +230,24 @@ def network_patch_sizes(name: str, patch_size: SizeLike, **kwargs) -> tuple[tupl
     """``(input_size, output_size)``: the patch to sample and the centre region its logits cover.
 
     DeepMedic: ``patch_size`` is the segment, e.g. 37³ → ``((109,)*3, (21,)*3)`` (crop labels with
-    ``crop_label_to_output``); the others: ``(patch, patch)``. The network is built on the meta device to validate
-    ``patch_size`` and ``kwargs`` (no memory, no weights).
+    ``crop_label_to_output``); the others: ``(patch, patch)``. DeepMedic is built on the meta device (no memory,
+    no weights) to read its sizes; :func:`patch_sizes_of` reads them from a network already built.
     """
     builder = _builder(name)
     patch = _patch(patch_size)
+    if builder is not build_deepmedic:
+        return patch, patch
     with torch.device("meta"):
-        net = builder(1, 2, patch, **kwargs)
+        return patch_sizes_of(builder(1, 2, patch, **kwargs), patch)
+
+
+def patch_sizes_of(network: nn.Module, patch_size: SizeLike) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(input_size, output_size)`` of a built network (DDP-wrapped or not): DeepMedic's input patch and logits
+    region, or ``(patch, patch)`` for networks whose output covers their input."""
+    net = getattr(network, "module", network)
     if isinstance(net, DeepMedic):
         return net.input_size, net.output_size
-    return patch, patch
+    return _patch(patch_size), _patch(patch_size)
 
 
 def make_inferer(
