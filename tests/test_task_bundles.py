@@ -177,3 +177,28 @@ def test_dataset_bundles_share_their_machinery():
     for name in ("evaluate.yaml", "inference.yaml", "multi_gpu_train.yaml"):
         texts = {t: yaml.safe_load((BUNDLES / t / "configs" / name).read_text()) for t in TASK_NAMES}
         assert all(v == texts[TASK_NAMES[0]] for v in texts.values()), name
+
+
+def test_deepmedic_patches_are_centred_inside_the_volume_and_labels_stay_classes(prepared):
+    """DeepMedic's margin padding is labelled 255 (no class) so no patch centre falls in it, and is background
+    again in the cropped label the loss sees."""
+    import numpy as np
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(BUNDLES / "kits19_tumor" / "configs" / "train.yaml"))
+    parser.update({"dataset_dir": str(prepared["kits19_tumor"][1]), "network": "deepmedic",
+                   "network_kwargs": {"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]}})  # fmt: skip
+    files = parser.get_parsed_content("train_files")
+    prefix = parser.get_parsed_content("load_transforms") + parser.get_parsed_content("patch_sampling")
+    item = dict(files[0])
+    for transform in prefix:
+        item = transform(item)
+    label = np.asarray(item["label"]).ravel()
+    assert 255 in label  # the margin
+    for c, indices in enumerate(item["label_cls_indices"]):
+        assert len(indices) and (label[np.asarray(indices)] == c).all()
+    dataset = parser.get_parsed_content("train_dataset")
+    for sample in dataset[0]:
+        assert tuple(sample["label"].shape[1:]) == (21, 21, 21) and tuple(sample["image"].shape[1:]) == (109,) * 3
+        assert set(np.unique(np.asarray(sample["label"])).tolist()) <= {0, 1, 2}
