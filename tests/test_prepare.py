@@ -237,3 +237,14 @@ def test_cli_prepare_reports_errors_without_a_traceback(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "jcsaug.cli", "prepare", "kits19_tumor", str(raw), "--out",
                           str(tmp_path / "other")], capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 1 and "case_00001" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_worker_processes_give_the_same_dataset(tmp_path, prepared):
+    raw, serial = prepared["btcv_abdomen"]
+    path = prepare_task("btcv_abdomen", raw, tmp_path / "parallel", num_workers=2, progress=False)
+    parallel, reference = json.loads(path.read_text()), json.loads((serial / "dataset.json").read_text())
+    for key in ("training", "validation", "test", "normalisation", "num_cases"):
+        assert parallel[key] == reference[key], key
+    for entry in parallel["training"]:
+        a = np.asarray(nib.load(str(tmp_path / "parallel" / entry["image"])).dataobj)
+        np.testing.assert_array_equal(a, np.asarray(nib.load(str(serial / entry["image"])).dataobj))
