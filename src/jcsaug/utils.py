@@ -1,8 +1,13 @@
-"""Small helpers for bundle configs."""
+"""Small helpers shared across the package: command-line flags and atomic file writes."""
 
 from __future__ import annotations
 
-__all__ = ["as_flag"]
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["as_flag", "atomic_write"]
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0", "", "none"}
@@ -21,3 +26,22 @@ def as_flag(value: object) -> bool:
     if value is None:
         return False
     raise ValueError(f"expected a true/false flag, got {value!r}")
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], object], suffix: str = ".tmp") -> Path:
+    """Write ``path`` through ``write(temporary_path)`` and a rename, so it is never half-written.
+
+    The temporary file sits in the same folder and ends in ``suffix`` (e.g. ``.nii.gz`` for nibabel, ``.npy``
+    for ``np.save``, which pick the format from the name); it is removed if ``write`` fails.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from monai.losses import DiceLoss
 
+from jcsaug.networks.factory import deep_supervision_weights
+
 PerSampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -81,8 +83,6 @@ class SegmentationLoss(torch.nn.Module):
         self.per_sample = get_loss(name)
 
     def forward(self, pred: torch.Tensor | list | tuple, label: torch.Tensor) -> torch.Tensor:
-        from jcsaug.networks.factory import deep_supervision_weights
-
         heads = list(pred) if isinstance(pred, (list, tuple)) else [pred]
         weights = deep_supervision_weights(len(heads))
         return sum(w * self.per_sample(h, label).mean() for w, h in zip(weights, heads))

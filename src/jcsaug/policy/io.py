@@ -7,14 +7,13 @@ refuses a file whose series or op names do not match this version's catalogues.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
+from jcsaug.utils import atomic_write
 
 FORMAT = "jcsaug-policies"
 VERSION = 1
@@ -32,16 +31,7 @@ def policies_to_dict(tra: CategoricalPolicy | None = None, tea: CategoricalPolic
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def save_policies(path: str | Path, tra: CategoricalPolicy | None = None, tea: CategoricalPolicy | None = None) -> Path:

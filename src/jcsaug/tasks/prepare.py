@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -33,6 +32,7 @@ from tqdm.auto import tqdm
 from jcsaug.policy.io import atomic_write_text
 from jcsaug.tasks.registry import get_task
 from jcsaug.tasks.spec import PrepareError, RawCase, TaskSpec
+from jcsaug.utils import atomic_write
 
 __all__ = ["DATALIST_NAME", "prepare_case", "prepare_task"]
 
@@ -92,9 +92,7 @@ def _classes(label: np.ndarray, spec: TaskSpec, case_id: str, path: Path) -> np.
 
 
 def _save_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> None:
-    tmp = path.with_name(f".{path.name[: -len('.nii.gz')]}.tmp{os.getpid()}.nii.gz")
-    nib.save(nib.Nifti1Image(array, affine), str(tmp))
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: nib.save(nib.Nifti1Image(array, affine), str(tmp)), suffix=".nii.gz")
 
 
 def _resample(array: np.ndarray, affine: np.ndarray, spec: TaskSpec, is_label: bool) -> MetaTensor:
@@ -157,9 +155,7 @@ def prepare_case(spec: TaskSpec, case: RawCase, out_dir: Path, seed: int = 0) ->
     rng = np.random.default_rng([seed, zlib.crc32(case.case_id.encode())])
     if foreground.size > FOREGROUND_SAMPLES:
         foreground = rng.choice(foreground, FOREGROUND_SAMPLES, replace=False)
-    tmp = sample_path.with_name(f".{sample_path.stem}.tmp{os.getpid()}.npy")
-    np.save(tmp, foreground)
-    os.replace(tmp, sample_path)
+    atomic_write(sample_path, lambda tmp: np.save(tmp, foreground), suffix=".npy")
     record = {
         "case": case.case_id,
         "image": str(image_path.relative_to(out_dir)),
@@ -264,7 +260,7 @@ def prepare_task(
     cases = _subset(spec.find_cases(raw_dir, skip_unlabelled), max_cases, seed)
     seen: dict[str, Path] = {}
     for c in cases:
-        if c.case_id in seen and c.frame is None:
+        if c.case_id in seen:
             raise PrepareError(f"case {c.case_id} found twice: {seen[c.case_id]} and {c.image}")
         seen[c.case_id] = c.image
     _check_settings(
