@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import ignite.distributed as idist
+import pytest
 import torch
+import torch.distributed as dist
 from ignite.engine import Events
 from monai.engines import SupervisedTrainer
 from monai.losses import DiceCELoss
@@ -19,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from helpers import lesion_batch, tiny_unet
 from jcsaug.data import make_synthetic_dataset
-from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater
+from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater, shutdown_distributed
 from jcsaug.policy import make_tea_policy, make_tra_policy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs"
@@ -75,7 +77,10 @@ def _train_rank(local_rank: int, out_dir: str) -> None:
         "seeds": seeds.tolist(),
         "state_keys": sorted(tra_updater.state_dict()),
     }
+    # gloo's worker threads must stop before the interpreter does (else SIGABRT at exit): with the DDP wrapper
+    # released, destroying the group (ignite's job here) joins them
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    shutdown_distributed(net, destroy=False)
 
 
 def test_policies_stay_identical_on_two_gloo_ranks(tmp_path):
@@ -93,6 +98,30 @@ def test_policies_stay_identical_on_two_gloo_ranks(tmp_path):
     assert results[0]["updates"] == results[1]["updates"] == [ITERATIONS, ITERATIONS]  # ...and stepped anyway
     seeds = results[0]["seeds"]  # every rank draws its own ops
     assert seeds[0][0] != seeds[1][0] and seeds[0][1] != seeds[1][1]
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _shutdown_rank(rank: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=2)
+    net = DistributedDataParallel(torch.nn.Linear(3, 2))
+    net(torch.randn(4, 3)).sum().backward()
+    idist.all_gather(torch.ones(3))
+    before = _native_threads()
+    shutdown_distributed(net)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps([before, _native_threads(), dist.is_initialized()]))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
+def test_shutdown_distributed_joins_the_process_group_threads(tmp_path):
+    """The SIGABRT at exit: gloo threads alive while the interpreter finalises. After shutdown they are gone."""
+    torch.multiprocessing.spawn(_shutdown_rank, args=(str(tmp_path),), nprocs=2)
+    for rank in range(2):
+        before, after, initialised = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert not initialised
+        assert after <= before - 2, (rank, before, after)  # gloo's two worker threads and its transport loop
 
 
 def test_bundle_multi_gpu_config_runs_under_torchrun(tmp_path):

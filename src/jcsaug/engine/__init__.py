@@ -7,6 +7,7 @@ from jcsaug.engine.checkpoints import (
     load_checkpoint,
     save_checkpoint_atomic,
 )
+from jcsaug.engine.distributed import release_ddp, shutdown_distributed
 from jcsaug.engine.export import PolicyExporter
 from jcsaug.engine.hypergradient import (
     finite_difference_hypergradient,
@@ -42,4 +43,6 @@ __all__ = [
     "latest_checkpoint",
     "learn_tea_posthoc",
     "normalise_hypergradient",
+    "release_ddp",
+    "shutdown_distributed",
 ]
