@@ -44,7 +44,7 @@ import math
 import numbers
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import nibabel as nib
@@ -52,7 +52,7 @@ import numpy as np
 from scipy import ndimage
 from tqdm.auto import tqdm
 
-__all__ = ["SPLITS", "make_synthetic_dataset", "synthesize_case"]
+__all__ = ["SPLITS", "TARGET_SHIFTS", "make_synthetic_dataset", "shift_undoing_ops", "synthesize_case"]
 
 #: split name -> (image folder, label folder, domain)
 SPLITS: dict[str, tuple[str, str, str]] = {
@@ -66,10 +66,60 @@ _DOMAINS = {
     "source": {"long_axis": 0, "mirror_axis0": False, "gamma": None},
     "target": {"long_axis": 2, "mirror_axis0": True, "gamma": (1.4, 1.6)},
 }
+
+#: Named target domains (``make_synthetic_dataset(target_shift=...)``): the default one, and others that check
+#: that learned augmentation finds *whatever* undoes the shift (another rotation plane, another intensity change).
+TARGET_SHIFTS: dict[str, dict] = {
+    "default": _DOMAINS["target"],
+    # lesions along array axis 1 (a quarter turn about the longitudinal axis), no mirror, the image raised to a
+    # power below 1 (the gamma of the other sign)
+    "rotate-longitudinal": {"long_axis": 1, "mirror_axis0": False, "gamma": (0.62, 0.71)},
+}
 _FG_RANGE = (0.011, 0.029)  # accepted foreground fraction (inside the promised 1-3 %)
 _TISSUE_LEVELS = (0.35, 0.5, 0.7)
 _NOISE_STD = 0.035
 _MAX_TILT_DEG = 25.0
+
+
+_AXIS_NAMES = ("sagittal", "frontal", "longitudinal")  # array axes 0, 1, 2 after RAS (jcsaug.ops.axes)
+
+
+def _describe(target: Mapping) -> str:
+    parts = []
+    if target["long_axis"] != 0:
+        parts.append(f"lesion long axis rotated from array axis 0 to {target['long_axis']}")
+    if target["mirror_axis0"]:
+        parts.append("placement and bias field mirrored along axis 0")
+    if target["gamma"] is not None:
+        parts.append(f"gamma {target['gamma'][0]:g}-{target['gamma'][1]:g} on the [0, 1]-rescaled image")
+    return ", ".join(parts) or "no shift"
+
+
+def shift_undoing_ops(target: Mapping, source: Mapping = _DOMAINS["source"]) -> dict:
+    """The TRA and TEA ops of the catalogues (SPEC §2-3) that undo a target domain's shift, by name.
+
+    TRA ops make a source patch look like the target (``{"series", "op"}``, one per aspect of the shift); TEA ops
+    map a target image back to the source (per aspect, the list of TEA op names that each undo it, e.g. both
+    quarter turns). Read by the learning-quality benchmark from ``dataset.json`` (its oracle sets the TRA ops by
+    hand; it reports the learned probabilities of both), never by the learning itself.
+    """
+    tra: list[dict[str, str]] = []
+    tea: list[list[str]] = []
+    if target["long_axis"] != source["long_axis"]:  # a quarter turn about the third axis
+        axis = _AXIS_NAMES[3 - target["long_axis"] - source["long_axis"]]
+        tra.append({"series": f"rotate_{axis}", "op": "rot90"})
+        tea.append([f"rotate_{axis}_acw_90", f"rotate_{axis}_cw_90"])
+    if bool(target["mirror_axis0"]) != bool(source["mirror_axis0"]):
+        tra.append({"series": "mirror_sagittal", "op": "flip"})
+        tea.append(["mirror_sagittal"])
+    if target["gamma"] is not None:
+        power = sum(target["gamma"]) / 2.0  # target = rescaled source ** power
+        magnitude = power - 1.0 if power >= 1.0 else 1.0 / power - 1.0  # the ops' (1 + M) ** ±1
+        low = min(int(magnitude / 0.2), 2) * 0.2
+        tra.append({"series": "gamma", "op": f"gamma±[{low:g},{low + 0.2:g})"})
+        nearest = min((0.1, 0.3, 0.5), key=lambda m: abs(m - magnitude))
+        tea.append([f"gamma_{'compress' if power >= 1.0 else 'expand'}_{nearest:g}"])
+    return {"tra": tra, "tea": tea}
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -166,12 +216,16 @@ def _lesion_label(rng: np.random.Generator, shape: tuple[int, int, int], long_ax
 
 
 def synthesize_case(
-    rng: np.random.Generator, shape: tuple[int, int, int] = (48, 48, 48), domain: str = "source"
+    rng: np.random.Generator, shape: tuple[int, int, int] = (48, 48, 48), domain: str | Mapping = "source"
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Draw one case of ``domain`` (``"source"`` or ``"target"``): ``(float32 image, uint8 label)``."""
-    if domain not in _DOMAINS:
+    """Draw one case of ``domain`` (``"source"``, ``"target"`` or a :data:`TARGET_SHIFTS` entry):
+    ``(float32 image, uint8 label)``."""
+    if isinstance(domain, Mapping):
+        cfg = dict(domain)
+    elif domain in _DOMAINS:
+        cfg = _DOMAINS[domain]
+    else:
         raise ValueError(f"domain must be one of {sorted(_DOMAINS)}, got {domain!r}")
-    cfg = _DOMAINS[domain]
     shape = tuple(int(s) for s in shape)
     for _ in range(25):
         label = _lesion_label(rng, shape, cfg["long_axis"])
@@ -262,6 +316,7 @@ def make_synthetic_dataset(
     seed: int = 0,
     overwrite: bool = False,
     progress: bool = True,
+    target_shift: str = "default",
 ) -> Path:
     """Write the synthetic lesion dataset (layout and domain shift in the module docstring).
 
@@ -273,6 +328,9 @@ def make_synthetic_dataset(
         overwrite: regenerate even if ``out_dir/dataset.json`` exists (stale ``case_*.nii.gz`` of the
             six split folders are removed first).
         progress: show a tqdm progress bar.
+        target_shift: the validation/test domain, a name of :data:`TARGET_SHIFTS` (``"default"`` is the one
+            in the module docstring). ``dataset.json``'s ``domain_shift`` describes it and names the TRA and TEA
+            ops that undo it (:func:`shift_undoing_ops`).
 
     Returns:
         The path of ``dataset.json``. If it already exists and ``overwrite`` is False it is returned
@@ -291,7 +349,12 @@ def make_synthetic_dataset(
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"out_dir {str(out)!r} exists and is not a directory")
     json_path = out / "dataset.json"
+    if target_shift not in TARGET_SHIFTS:
+        raise ValueError(f"unknown target_shift {target_shift!r}; choose one of {sorted(TARGET_SHIFTS)}")
+    target = TARGET_SHIFTS[target_shift]
     expected = {"seed": int(seed), "shape": list(dims), **{f"num_{k}": v for k, v in counts.items()}}
+    if target_shift != "default":  # (default datasets keep the keys they always had: old folders stay valid)
+        expected["target_shift"] = target_shift
 
     if json_path.is_file() and not overwrite:
         matches = _existing_matches(json_path, expected)
@@ -320,7 +383,7 @@ def make_synthetic_dataset(
             entries = []
             for i in range(counts[split]):
                 rng = np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(split_idx, i)))
-                image, label = synthesize_case(rng, dims, domain)
+                image, label = synthesize_case(rng, dims, target if domain == "target" else domain)
                 name = f"case_{case_id:03d}.nii.gz"
                 _write_nifti(out / img_dir / name, image)
                 _write_nifti(out / lbl_dir / name, label)
@@ -333,8 +396,7 @@ def make_synthetic_dataset(
         "name": "jcsaug-synthetic-lesions",
         "description": (
             "Synthetic 3D lesion segmentation with a domain shift: training = source domain; validation "
-            "and test = target domain (lesion long axis rotated from array axis 0 to 2, placement and bias "
-            "field mirrored along axis 0, gamma 1.4-1.6 on the [0, 1]-rescaled image)."
+            f"and test = target domain ({_describe(target)})."
         ),
         "reference": "jcsaug.data.synthetic.make_synthetic_dataset",
         "tensorImageSize": "3D",
@@ -343,9 +405,11 @@ def make_synthetic_dataset(
         **expected,
         "domain": {split: SPLITS[split][2] for split in SPLITS},
         "domain_shift": {
-            "lesion_long_axis": {"source": 0, "target": 2},
-            "mirror_axis": {"source": None, "target": 0},
-            "gamma": {"source": None, "target": list(_DOMAINS["target"]["gamma"])},
+            "name": target_shift,
+            "lesion_long_axis": {"source": 0, "target": target["long_axis"]},
+            "mirror_axis": {"source": None, "target": 0 if target["mirror_axis0"] else None},
+            "gamma": {"source": None, "target": None if target["gamma"] is None else list(target["gamma"])},
+            "undone_by": shift_undoing_ops(target),
         },
         **datalist,
     }

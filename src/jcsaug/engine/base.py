@@ -16,6 +16,8 @@ from monai.data import list_data_collate
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from jcsaug.engine.optim import MaskedAdam
+from jcsaug.engine.paired import OpEffects
 from jcsaug.policy.categorical import CategoricalPolicy
 
 logger = logging.getLogger("jcsaug.engine")
@@ -89,10 +91,19 @@ class PolicyUpdater(ABC):
     Args:
         policy: the policy to learn (kept on the CPU).
         model: the segmentation network being trained.
-        lr: the policy's Adam learning rate (beta for TRA, gamma for TEA).
+        lr: the policy's Adam learning rate (beta for TRA, gamma for TEA); ignored when ``logit_budget`` is set.
         update_every: update on every N-th iteration.
         poly_power: the policy lr decays as ``lr * (1 - t / T) ** poly_power`` over the run, like the
             model's; ``0`` keeps it constant.
+        logit_budget: derive the learning rate from the run's length instead: when the run starts, the lr is
+            set so that the decayed learning rates of all planned updates sum to ``logit_budget``. An Adam step
+            moves a logit by about the learning rate when its gradient keeps its sign, so this is the most a
+            logit that takes part in every update can move over the whole run, and the same default suits a
+            500-iteration demo and a 100k-iteration run (a logit that takes part in a share ``f`` of the
+            updates moves at most ``f * logit_budget``, unless ``frequency_scaling``).
+        frequency_scaling: scale each logit's step by the inverse of the share of updates it took part in
+            (:class:`~jcsaug.engine.optim.MaskedAdam`), so that every logit can move ``logit_budget`` over a run
+            however rarely it is measured; the paired estimators use it.
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.
@@ -115,24 +126,30 @@ class PolicyUpdater(ABC):
         poly_power: float = 0.9,
         seed: int = 0,
         name: str = "policy",
+        logit_budget: float | None = None,
+        frequency_scaling: bool = False,
     ) -> None:
         if update_every < 1:
             raise ValueError(f"update_every must be >= 1, got {update_every}")
         if lr < 0 or not math.isfinite(lr):
             raise ValueError(f"policy learning rate must be finite and >= 0, got {lr}")
+        if logit_budget is not None and (not math.isfinite(logit_budget) or logit_budget <= 0):
+            raise ValueError(f"logit_budget must be finite and > 0, got {logit_budget}")
         self.policy = policy
         self.wrapped_model = model
         self.base_lr = float(lr)
         self.update_every = int(update_every)
         self.poly_power = float(poly_power)
         self.name = name
-        self.optimizer = torch.optim.Adam(policy.parameters(), lr=lr, betas=(0.9, 0.999))
+        self.logit_budget = None if logit_budget is None else float(logit_budget)
+        self.optimizer = MaskedAdam(policy.parameters(), lr=lr, frequency_scaling=frequency_scaling)
         self.generator = torch.Generator().manual_seed(int(seed) + idist.get_rank())
         self.updates = 0
         self.skipped = 0
         self._warned: set[str] = set()
         self.last_changes: list[tuple[str, float]] = []  # (series/op, signed change), when INFO logging is on
         self._synced = False  # whether this update has joined the ranks' all-reduce
+        self.effects: OpEffects | None = None  # running op effects of the paired estimators
 
     @property
     def model(self) -> nn.Module:
@@ -152,7 +169,27 @@ class PolicyUpdater(ABC):
 
     # ------------------------------------------------------------------ ignite
     def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.STARTED, self._plan_learning_rate)
         engine.add_event_handler(Events.ITERATION_COMPLETED(every=self.update_every), self._run_update)
+
+    def _plan_learning_rate(self, engine: Engine) -> None:
+        """With a ``logit_budget``: the base lr from the run's planned updates (see the class docstring)."""
+        if self.logit_budget is None:
+            return
+        self.base_lr = self.lr_for_budget(self.logit_budget, self._total_iterations(engine))
+        logger.debug("%s learning rate %.3g from a logit budget of %g", self.name, self.base_lr, self.logit_budget)
+
+    def lr_for_budget(self, budget: float, total_iterations: int) -> float:
+        """The base lr whose poly-decayed values over this updater's planned updates sum to ``budget``."""
+        steps = torch.arange(self.update_every, max(total_iterations, 1) + 1, self.update_every, dtype=torch.float64)
+        if steps.numel() == 0:
+            return 0.0
+        decay = (1.0 - (steps - 1) / max(total_iterations, 1)).clamp(min=0.0) ** self.poly_power
+        return float(budget / decay.sum()) if float(decay.sum()) > 0 else 0.0
+
+    @staticmethod
+    def _total_iterations(engine: Engine) -> int:
+        return int((engine.state.max_epochs or 1) * (engine.state.epoch_length or 1))
 
     def _run_update(self, engine: Engine) -> None:
         log = logger.isEnabledFor(logging.INFO)  # the change summary is only worth computing if it is shown
@@ -192,17 +229,18 @@ class PolicyUpdater(ABC):
         logger.debug("%s update skipped: %s", self.name, reason)
 
     def current_lr(self, engine: Engine) -> float:
-        total = (engine.state.max_epochs or 1) * (engine.state.epoch_length or 1)
+        total = self._total_iterations(engine)
         progress = min(max((engine.state.iteration - 1) / max(total, 1), 0.0), 1.0)
         return self.base_lr * (1.0 - progress) ** self.poly_power
 
     def step(self, engine: Engine, surrogate: torch.Tensor, drawn: torch.Tensor | None = None) -> None:
         """Backpropagate ``surrogate`` into the logits, all-reduce across ranks, check, and step Adam.
 
-        ``drawn`` (``[groups, logits]`` bool) masks the gradient to the ops drawn in this update (on any
-        rank), as the paper's normalisation promises: an op that was not sampled gets no gradient.
-        Without the mask it would get the small softmax-coupling term ``-sum_i h_i s_ik s_ij``, which
-        Adam's per-coordinate scaling would blow up into a full-sized, noise-driven step.
+        ``drawn`` (``[groups, logits]`` bool) restricts the step to the ops drawn in this update (on any
+        rank), as the paper's normalisation promises: an op that was not sampled keeps its logit and its Adam
+        state (:class:`~jcsaug.engine.optim.MaskedAdam`). Without the mask it would get the small
+        softmax-coupling term ``-sum_i h_i s_ik s_ij``, which Adam's per-coordinate scaling would blow up
+        into a full-sized, noise-driven step.
         """
         self.optimizer.zero_grad(set_to_none=True)
         surrogate.backward()
@@ -221,15 +259,16 @@ class PolicyUpdater(ABC):
             if grad is None:
                 self.optimizer.zero_grad(set_to_none=True)
                 raise SkipUpdate("no rank had a policy gradient")
-            logits.grad = grad
+        logits.grad = grad
         if drawn is not None:
-            grad.masked_fill_(~drawn.to(grad.device), 0.0)
+            drawn = drawn.to(grad.device)
+            grad.masked_fill_(~drawn, 0.0)
         if not torch.isfinite(grad).all():
             self.optimizer.zero_grad(set_to_none=True)
             raise SkipUpdate("non-finite policy gradient")
         for group in self.optimizer.param_groups:
             group["lr"] = self.current_lr(engine)
-        self.optimizer.step()
+        self.optimizer.step(mask=drawn)
 
     def _all_reduce(
         self, grad: torch.Tensor | None, drawn: torch.Tensor | None
@@ -275,13 +314,16 @@ class PolicyUpdater(ABC):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Tensors and plain Python values only (loads with ``torch.load(weights_only=True)``)."""
-        return {
+        state = {
             "policy": self.policy.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "generator": self.generator.get_state(),
             "updates": self.updates,
             "skipped": self.skipped,
         }
+        if self.effects is not None:
+            state["effects"] = self.effects.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping) -> None:
         missing = {"policy", "optimizer", "generator"} - set(state)
@@ -292,3 +334,5 @@ class PolicyUpdater(ABC):
         self.generator.set_state(state["generator"])
         self.updates = int(state.get("updates", 0))
         self.skipped = int(state.get("skipped", 0))
+        if self.effects is not None and "effects" in state:
+            self.effects.load_state_dict(state["effects"])

@@ -58,6 +58,31 @@ LOSSES: dict[str, PerSampleLoss] = {
 }
 
 
+def batch_dice_loss(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One soft Dice loss over a whole batch (the reference code's validation loss), mean over foreground classes.
+
+    ``chunks`` are ``(logits [b, C, ...], label [b, 1, ...])`` parts of one batch (90-degree rotations of non-cubic
+    patches split a batch by shape). Why by hand: MONAI's ``DiceLoss(batch=True)`` needs one tensor of one shape,
+    and the chunks' intersections and sums must be added before the ratio is taken.
+    """
+    inter = total = None
+    for logits, label in chunks:
+        probs = torch.softmax(logits.float(), dim=1)[:, 1:]
+        onehot = F.one_hot(_label_indices(label), logits.shape[1]).movedim(-1, 1)[:, 1:].to(probs.dtype)
+        dims = [0, *range(2, probs.ndim)]
+        i, t = (probs * onehot).sum(dims), (probs + onehot).sum(dims)
+        inter, total = (i, t) if inter is None else (inter + i, total + t)
+    if inter is None:
+        raise ValueError("batch_dice_loss needs at least one chunk")
+    return (1.0 - (2.0 * inter + 1e-5) / (total + 1e-5)).mean()
+
+
+#: name -> validation loss over a whole batch (a list of same-shape chunks) -> scalar
+BATCH_LOSSES: dict[str, Callable[[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]] = {
+    "batch-dice": batch_dice_loss,
+}
+
+
 def get_loss(name: str | PerSampleLoss) -> PerSampleLoss:
     if callable(name):
         return name

@@ -23,18 +23,22 @@ def learn_tea_posthoc(
     policy: CategoricalPolicy | None = None,
     seed: int = 0,
     progress: bool = True,
+    estimator: str = "gumbel",
 ) -> CategoricalPolicy:
     """Learn the TEA policy from the validation set with the network frozen (no model update).
 
     Runs an Ignite engine whose only work is the :class:`TEAPolicyUpdater` (one update per iteration);
-    the reference code's post-hoc run uses lr 5e-3 for 10 epochs. Returns the learned policy.
+    the reference code's post-hoc run uses lr 5e-3 for 10 epochs. ``estimator`` is the
+    :class:`TEAPolicyUpdater`'s. Returns the learned policy.
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     policy = policy or make_tea_policy("nnunet")
     frozen = {n: p.detach().clone() for n, p in network.state_dict().items()}
     engine = Engine(lambda engine, batch: None)  # the model is never updated
-    updater = TEAPolicyUpdater(policy, network, val_loader, lr=lr, num_copies=num_copies, seed=seed)
+    updater = TEAPolicyUpdater(
+        policy, network, val_loader, lr=lr, num_copies=num_copies, seed=seed, estimator=estimator
+    )
     updater.sync_ranks = False  # may run on one rank only (a rank-0 evaluation): no collective all-reduce
     updater.attach(engine)
     if progress:

@@ -11,8 +11,12 @@ from torch import nn
 
 from jcsaug.engine.base import PolicyUpdater, PrepareBatch, SkipUpdate, ValidationStream, make_prepare_batch
 from jcsaug.engine.losses import main_output
+from jcsaug.engine.paired import OpEffects
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.transforms import centre_class
+
+#: how the copies' Dice scores become a policy gradient (see :class:`TEAPolicyUpdater`)
+TEA_ESTIMATORS = ("gumbel", "paired")
 
 # soft Dice loss over *all* foreground classes (the reference code scores class 1 only: a bug)
 _SOFT_DICE = DiceLoss(include_background=False, to_onehot_y=True, softmax=False, reduction="none")
@@ -45,6 +49,15 @@ class TEAPolicyUpdater(PolicyUpdater):
     the label over all foreground classes. The loss ``sum_k w_k Dice_k / sum_k w_k`` gives centred
     gradients ``dL/dw_k``, which are divided by how often op k was drawn before the Adam step.
 
+    Estimators:
+
+    * ``"gumbel"`` — the paper's, as above: the copies' ops are drawn from the policy (Gumbel-softmax).
+    * ``"paired"`` — beyond the paper: the Z copies' ops are drawn uniformly, without replacement, from the
+      non-identity ops, so every op is measured whatever its current probability (a rarely chosen op that
+      undoes a domain shift is found); each copy's effect is its Dice loss minus the untouched copy's on the
+      same patch, and the gradient is the exact softmax gradient of the expected effect
+      (:class:`jcsaug.engine.paired.OpEffects`). Only the measured ops and the identity step.
+
     Args:
         policy: the TEA policy (84 ops, see :func:`jcsaug.policy.make_tea_policy`).
         model: the network (evaluated in eval mode, its mode restored afterwards).
@@ -53,7 +66,12 @@ class TEAPolicyUpdater(PolicyUpdater):
         num_copies: Z.
         ops: the TEA catalogue (default :data:`jcsaug.ops.tea.TEA_OPS`).
         max_batches: validation batches searched for a foreground-centred patch before skipping.
-        mask_undrawn: ops not drawn among the Z copies get a zero gradient (see :meth:`PolicyUpdater.step`).
+        mask_undrawn: ops not drawn among the Z copies keep their logits and Adam state (see
+            :meth:`PolicyUpdater.step`; ``"gumbel"`` only, ``"paired"`` always masks).
+        estimator: ``"gumbel"`` (the paper's) or ``"paired"``.
+        logit_budget: derive ``lr`` from the run's length (see :class:`PolicyUpdater`).
+        patches: foreground-centred validation patches scored per update (each with its own Z copies).
+        effect_smoothing: weight of a new measurement in an op's running effect estimate (``"paired"``).
     """
 
     def __init__(
@@ -72,9 +90,30 @@ class TEAPolicyUpdater(PolicyUpdater):
         poly_power: float = 0.9,
         seed: int = 0,
         mask_undrawn: bool = True,
+        estimator: str = "gumbel",
+        logit_budget: float | None = None,
+        patches: int = 1,
+        effect_smoothing: float = 0.1,
     ) -> None:
-        super().__init__(policy, model, lr, update_every, poly_power, seed + 7919, name="TEA")
+        super().__init__(
+            policy,
+            model,
+            lr,
+            update_every,
+            poly_power,
+            seed + 7919,
+            name="TEA",
+            logit_budget=logit_budget,
+            frequency_scaling=estimator == "paired",
+        )
         self.mask_undrawn = mask_undrawn
+        if estimator not in TEA_ESTIMATORS:
+            raise KeyError(f"unknown TEA estimator {estimator!r}; choose one of {list(TEA_ESTIMATORS)}")
+        if int(patches) < 1:
+            raise ValueError(f"patches must be >= 1, got {patches}")
+        self.estimator = estimator
+        self.patches = int(patches)
+        self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
         if ops is None:
             from jcsaug.ops.tea import TEA_OPS
 
@@ -83,6 +122,8 @@ class TEAPolicyUpdater(PolicyUpdater):
             raise ValueError(f"TEA policy must have one series of {len(ops)} ops, got sizes {policy.series_sizes}")
         if num_copies < 1:
             raise ValueError(f"num_copies (Z) must be >= 1, got {num_copies}")
+        if estimator == "paired" and num_copies > len(ops) - 1:
+            raise ValueError(f"num_copies (Z) must be <= {len(ops) - 1} (the non-identity ops) for 'paired'")
         self.ops = ops
         self.num_copies = int(num_copies)
         self.val_stream = ValidationStream(val_loader)
@@ -91,7 +132,11 @@ class TEAPolicyUpdater(PolicyUpdater):
         self.last_dice: dict[str, float] = {}
 
     def _foreground_patch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        fallback = None
+        return self._foreground_patches(1)[0]
+
+    def _foreground_patches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Up to ``count`` foreground-centred validation patches (else patches with some foreground)."""
+        found, fallback = [], []
         for _ in range(self.max_batches):
             batch: Mapping | None = self.val_stream.next()
             if batch is None:
@@ -99,17 +144,18 @@ class TEAPolicyUpdater(PolicyUpdater):
             image, label = self.prepare_batch(batch, self.device)
             for i in range(image.shape[0]):
                 if centre_class(label[i].cpu()) != 0:
-                    return image[i], label[i]
-                if fallback is None and bool((label[i] != 0).any()):
-                    fallback = (image[i], label[i])
-        if fallback is None:
+                    found.append((image[i], label[i]))
+                    if len(found) == count:
+                        return found
+                elif bool((label[i] != 0).any()):
+                    fallback.append((image[i], label[i]))
+        found += fallback[: count - len(found)]
+        if not found:
             raise SkipUpdate("no validation patch with foreground")
-        return fallback
+        return found
 
-    def update(self, engine: Engine) -> None:
-        image, label = self._foreground_patch()
-        choices, weights = self.policy.gumbel_sample(torch.zeros(self.num_copies, dtype=torch.long), self.generator)
-        ops = [self.ops[int(k)] for k in choices[:, 0]]
+    def _mapped_back_dice(self, image: torch.Tensor, label: torch.Tensor, ops: Sequence) -> torch.Tensor:
+        """Soft Dice losses ``[1 + len(ops)]`` of the untouched patch and of each op's mapped-back prediction."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -118,7 +164,38 @@ class TEAPolicyUpdater(PolicyUpdater):
         finally:
             self.model.train(was_training)
         mapped = torch.stack([preds[0]] + [op.invert(p) for op, p in zip(ops, preds[1:])])
-        dice = soft_dice_loss(mapped, label.unsqueeze(0).expand(len(mapped), *label.shape)).double().cpu()
+        return soft_dice_loss(mapped, label.unsqueeze(0).expand(len(mapped), *label.shape)).double().cpu()
+
+    def _paired_update(self, engine: Engine) -> None:
+        measured_ops, effects, untouched, augmented = [], [], [], []
+        for image, label in self._foreground_patches(self.patches):
+            # Z distinct non-identity ops, uniformly: every op is measured whatever its probability
+            drawn = torch.randperm(len(self.ops) - 1, generator=self.generator)[: self.num_copies] + 1
+            dice = self._mapped_back_dice(image, label, [self.ops[int(k)] for k in drawn])
+            if not torch.isfinite(dice).all():
+                raise SkipUpdate("non-finite TEA Dice")
+            measured_ops.append(drawn)
+            effects.append(dice[1:] - dice[0])
+            untouched.append(float(dice[0]))
+            augmented.append(float(dice[1:].mean()))
+        self.last_dice = {
+            "untouched": sum(untouched) / len(untouched),
+            "augmented_mean": sum(augmented) / len(augmented),
+        }
+        ops = torch.cat(measured_ops)
+        zeros = torch.zeros_like(ops)
+        sums, counts = self.effects.accumulate(zeros, zeros, ops, torch.cat(effects))
+        grad, mask = self.effects.gradient(sums, counts)
+        self._apply_gradient(engine, grad.to(self.policy.logits.dtype), mask)
+
+    def update(self, engine: Engine) -> None:
+        if self.estimator == "paired":
+            self._paired_update(engine)
+            return
+        image, label = self._foreground_patch()
+        choices, weights = self.policy.gumbel_sample(torch.zeros(self.num_copies, dtype=torch.long), self.generator)
+        ops = [self.ops[int(k)] for k in choices[:, 0]]
+        dice = self._mapped_back_dice(image, label, ops)
         if not torch.isfinite(dice).all():
             raise SkipUpdate("non-finite TEA Dice")
         self.last_dice = {"untouched": float(dice[0]), "augmented_mean": float(dice[1:].mean())}

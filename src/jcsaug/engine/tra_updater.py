@@ -24,10 +24,14 @@ from jcsaug.engine.hypergradient import (
     jvp_hypergradient,
     normalise_hypergradient,
 )
-from jcsaug.engine.losses import PerSampleLoss, get_loss, main_output
+from jcsaug.engine.losses import BATCH_LOSSES, PerSampleLoss, get_loss, main_output
+from jcsaug.engine.paired import OpEffects
+from jcsaug.policy.cascade import COUNTERFACTUAL_SUFFIX, DEFAULT_CF_OP_KEY
 from jcsaug.policy.categorical import CategoricalPolicy
 
 HYPERGRADIENTS = {"finite-difference": finite_difference_hypergradient, "jvp": jvp_hypergradient}
+#: how the per-sample hypergradients become a policy gradient (see :class:`TRAPolicyUpdater`)
+TRA_ESTIMATORS = ("gumbel", "paired")
 
 
 def tea_transform_batch(
@@ -61,6 +65,19 @@ class TRAPolicyUpdater(PolicyUpdater):
     The sample weights come from conditional Gumbel re-sampling of the choices recorded in the batch
     (``op_key``) with the current logits.
 
+    Two estimators turn the per-sample hypergradients into a policy gradient:
+
+    * ``"gumbel"`` — the paper's: class-group centring, sampling-frequency normalisation, and the gradient of
+      the conditional Gumbel-softmax straight-through weights of the recorded ops (SPEC §4 steps 4-6).
+    * ``"paired"`` — paired (counterfactual) scoring, beyond the paper: the pipeline's ``TRACascaded`` also
+      makes ``counterfactuals`` copies of each sample that differ in one series (the drawn op replaced by the
+      identity, or an unexplored op put in place of the identity); each copy is scored at ``theta ± eps v``
+      too, and the difference on the same patch is the op's effect on the validation loss, free of the
+      patch-to-patch noise. The gradient is the exact softmax gradient of the expected effect
+      (:class:`jcsaug.engine.paired.OpEffects`); only the scored ops and their series' identities step.
+      Effects are scale-free (the hypergradient divided by ``alpha * ||v||``) and per class group, so no
+      centring is needed and a batch with one class group still updates.
+
     Attach to MONAI's ``SupervisedTrainer`` (``train_handlers=[updater]``) or to any Ignite ``Engine``
     whose ``state.batch`` is a dictionary holding the image, label, ``op_key`` and ``group_key``.
 
@@ -73,15 +90,22 @@ class TRAPolicyUpdater(PolicyUpdater):
         update_every: N.
         train_loss: per-sample training loss (name in ``ce``/``dice``/``ce+dice`` or a callable); should
             match the loss the trainer minimises.
-        val_loss: L_val by name or callable.
+        val_loss: L_val by name (``ce``, ``dice`` — the mean of per-sample soft Dice losses —, ``ce+dice``,
+            ``batch-dice`` — one soft Dice over the whole validation batch, as the reference code) or callable.
         hypergradient: ``"finite-difference"`` (DARTS, the paper's) or ``"jvp"`` (exact, forward-mode).
+        estimator: ``"gumbel"`` (the paper's) or ``"paired"`` (needs ``TRACascaded(counterfactuals=K)``).
+        val_batches: validation batches per update; ``v`` is the gradient of their mean loss (a larger
+            validation sample, less noise in ``v``).
         tea_policy: in joint mode, the TEA policy whose ops transform the validation batch.
         tea_ops: the TEA catalogue (default :data:`jcsaug.ops.tea.TEA_OPS`).
         meta_mode: ``"eval"`` runs the extra passes with the network in eval mode (deterministic
             dropout, no BatchNorm statistics updates); ``"train"`` keeps the trainer's mode.
         prepare_batch: ``(batch, device) -> (image, label)``.
-        mask_undrawn: give ops that no sample of a class group drew a zero gradient (see
-            :meth:`PolicyUpdater.step`); ``False`` keeps the plain Gumbel-softmax gradient.
+        mask_undrawn: ops that no sample of a class group drew keep their logits and Adam state (see
+            :meth:`PolicyUpdater.step`); ``False`` keeps the plain Gumbel-softmax gradient (``"gumbel"`` only).
+        logit_budget: derive ``lr`` from the run's length (see :class:`PolicyUpdater`).
+        cf_op_key: where ``TRACascaded`` stored the counterfactuals' (series, op) pairs (``"paired"``).
+        effect_smoothing: weight of a new measurement in an op's running effect estimate (``"paired"``).
     """
 
     def __init__(
@@ -106,17 +130,34 @@ class TRAPolicyUpdater(PolicyUpdater):
         poly_power: float = 0.9,
         seed: int = 0,
         mask_undrawn: bool = True,
+        estimator: Literal["gumbel", "paired"] = "gumbel",
+        val_batches: int = 1,
+        logit_budget: float | None = None,
+        cf_op_key: str = DEFAULT_CF_OP_KEY,
+        effect_smoothing: float = 0.1,
     ) -> None:
-        super().__init__(policy, model, lr, update_every, poly_power, seed, name="TRA")
+        super().__init__(
+            policy, model, lr, update_every, poly_power, seed, name="TRA", logit_budget=logit_budget,
+            frequency_scaling=estimator == "paired",
+        )  # fmt: skip
         self.mask_undrawn = mask_undrawn
         if hypergradient not in HYPERGRADIENTS:
             raise KeyError(f"unknown hypergradient {hypergradient!r}; choose one of {sorted(HYPERGRADIENTS)}")
+        if estimator not in TRA_ESTIMATORS:
+            raise KeyError(f"unknown TRA estimator {estimator!r}; choose one of {list(TRA_ESTIMATORS)}")
+        if int(val_batches) < 1:
+            raise ValueError(f"val_batches must be >= 1, got {val_batches}")
+        self.estimator = estimator
+        self.val_batches = int(val_batches)
+        self.cf_op_key = cf_op_key
+        self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
         if meta_mode not in ("eval", "train"):
             raise ValueError(f"meta_mode must be 'eval' or 'train', got {meta_mode!r}")
         self.val_stream = ValidationStream(val_loader)
         self.model_optimizer = optimizer
         self.train_loss = get_loss(train_loss)
-        self.val_loss = get_loss(val_loss)
+        self.batch_val_loss = BATCH_LOSSES.get(val_loss) if isinstance(val_loss, str) else None
+        self.val_loss = None if self.batch_val_loss else get_loss(val_loss)
         self.hypergradient = HYPERGRADIENTS[hypergradient]
         self.tea_policy = tea_policy
         if tea_policy is not None and tea_ops is None:
@@ -125,6 +166,7 @@ class TRAPolicyUpdater(PolicyUpdater):
             tea_ops = TEA_OPS
         self.tea_ops = tea_ops
         self.op_key, self.group_key = op_key, group_key
+        self.image_key, self.label_key = image_key, label_key
         self.meta_mode = meta_mode
         self.prepare_batch = prepare_batch or make_prepare_batch(image_key, label_key)
         self._theta: dict[str, torch.Tensor] | None = None
@@ -152,30 +194,64 @@ class TRAPolicyUpdater(PolicyUpdater):
             raise KeyError(f"batch has no class group {self.group_key!r}: put ClassGroupd in the training pipeline")
         return choices, plain(torch.as_tensor(batch[self.group_key])).long().cpu().reshape(-1)
 
+    def _validation_loss(self, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        outputs = [(main_output(self.model(x)), y) for x, y in chunks]
+        if self.batch_val_loss is not None:
+            return self.batch_val_loss(outputs)
+        return sum(self.val_loss(out, y).sum() for out, y in outputs) / sum(y.shape[0] for _, y in outputs)
+
     def _validation_gradient(self) -> dict[str, torch.Tensor]:
-        batch = self.val_stream.next()
-        if batch is None:
-            raise SkipUpdate("the validation loader is empty")
-        image, label = self.prepare_batch(batch, self.device)
-        if self.tea_policy is not None:
-            chunks = tea_transform_batch(image, label, self.tea_policy, self.tea_ops, self.generator)
-        else:
-            chunks = [(image, label)]
+        """``v``: the gradient of the mean validation loss over ``val_batches`` batches, at ``theta*``."""
         params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        total = sum(self.val_loss(main_output(self.model(x)), y).sum() for x, y in chunks) / image.shape[0]
-        if not torch.isfinite(total):
-            raise SkipUpdate("non-finite validation loss")
-        grads = torch.autograd.grad(total, list(params.values()), allow_unused=True)
-        return {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params.items(), grads)}
+        total: list[torch.Tensor] | None = None
+        for _ in range(self.val_batches):
+            batch = self.val_stream.next()
+            if batch is None:
+                raise SkipUpdate("the validation loader is empty")
+            image, label = self.prepare_batch(batch, self.device)
+            if self.tea_policy is not None:
+                chunks = tea_transform_batch(image, label, self.tea_policy, self.tea_ops, self.generator)
+            else:
+                chunks = [(image, label)]
+            loss = self._validation_loss(chunks) / self.val_batches
+            if not torch.isfinite(loss):
+                raise SkipUpdate("non-finite validation loss")
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            grads = [g if g is not None else torch.zeros_like(p) for p, g in zip(params.values(), grads)]
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        return dict(zip(params, total))
+
+    def _counterfactuals(self, batch: Mapping, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(images [n*K, ...], labels [n*K, ...], cf_ops [n, K, 2])`` made by ``TRACascaded(counterfactuals=K)``."""
+        keys = [self.cf_op_key, self.image_key + COUNTERFACTUAL_SUFFIX, self.label_key + COUNTERFACTUAL_SUFFIX]
+        missing = [k for k in keys if k not in batch]
+        if missing:
+            raise KeyError(
+                f"the paired estimator needs the counterfactual copies {missing} in the training batch: build the "
+                "pipeline's TRACascaded with counterfactuals=K (K >= 1)"
+            )
+        cf_ops = plain(torch.as_tensor(batch[self.cf_op_key])).long().cpu()
+        images = plain(batch[keys[1]]).to(self.device)
+        labels = plain(batch[keys[2]]).to(self.device)
+        if cf_ops.ndim != 3 or cf_ops.shape[0] != n or images.shape[:2] != cf_ops.shape[:2]:
+            raise ValueError(
+                f"counterfactuals of shapes {tuple(cf_ops.shape)} / {tuple(images.shape)} for a batch of {n}"
+            )
+        return images.flatten(0, 1), labels.flatten(0, 1), cf_ops
 
     def update(self, engine: Engine) -> None:
         if self._theta is None:
             raise SkipUpdate("no parameter snapshot (handler attached after the iteration started)")
         batch = as_batch(engine.state.batch)
         choices, groups = self._choices_and_groups(batch)
-        if self.policy.num_groups > 1 and groups.unique().numel() < 2:
+        paired = self.estimator == "paired"
+        if not paired and self.policy.num_groups > 1 and groups.unique().numel() < 2:
             raise SkipUpdate("the training batch holds one class group only")
         image, label = self.prepare_batch(batch, self.device)
+        n = image.shape[0]
+        if paired:
+            cf_images, cf_labels, cf_ops = self._counterfactuals(batch, n)
+            image, label = torch.cat([image, cf_images]), torch.cat([label, cf_labels.to(label.dtype)])
         was_training = self.model.training
         self.model.train(self.meta_mode == "train")
         try:
@@ -189,7 +265,35 @@ class TRAPolicyUpdater(PolicyUpdater):
             self._theta = None
         if not torch.isfinite(g).all():
             raise SkipUpdate("non-finite training loss at theta ± eps v")
+        if paired:
+            # scale-free per-sample scores: dL_val/dw_i / (alpha ||v||) * batch size = -grad l_i . v/||v||
+            scores = g.cpu() * image.shape[0] / (max(self._alpha, 1e-12) * float(norm))
+            self._paired_step(engine, scores[:n], scores[n:].reshape(cf_ops.shape[:2]), choices, groups, cf_ops)
+            return
         coefficients = normalise_hypergradient(g.cpu(), groups, choices)
         weights = self.policy.series_weights(choices, groups, self.generator)
         drawn = self.policy.drawn_mask(choices, groups) if self.mask_undrawn else None
         self.step(engine, (coefficients.to(weights.dtype) * weights).sum(), drawn)
+
+    def _paired_step(
+        self,
+        engine: Engine,
+        scores: torch.Tensor,
+        cf_scores: torch.Tensor,
+        choices: torch.Tensor,
+        groups: torch.Tensor,
+        cf_ops: torch.Tensor,
+    ) -> None:
+        """Op effects from the (sample, counterfactual) pairs, then the exact-softmax policy step."""
+        series, cf_op = cf_ops[..., 0], cf_ops[..., 1]  # [n, K]
+        drawn = choices.gather(1, series)  # the sample's own op in the copy's series
+        scored_op = torch.where(cf_op == 0, drawn, cf_op)
+        # the op's score minus the identity's, on the same patch with the same other ops
+        effect = torch.where(cf_op == 0, scores[:, None] - cf_scores, cf_scores - scores[:, None])
+        group = groups[:, None].expand_as(series)
+        sums, counts = self.effects.accumulate(group.reshape(-1), series.reshape(-1), scored_op.reshape(-1),
+                                               effect.reshape(-1))  # fmt: skip
+        if not bool((counts > 0).any()) and not self.distributed:
+            raise SkipUpdate("no counterfactual scored a non-identity op")
+        grad, mask = self.effects.gradient(sums, counts)
+        self._apply_gradient(engine, grad.to(self.policy.logits.dtype), mask)

@@ -13,8 +13,9 @@ exact array operations. Labels are resampled with nearest neighbour, so they kee
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -192,6 +193,69 @@ PARAM_SAMPLERS = {
     "noise": _sample_noise,
     "low_resolution": _sample_low_resolution,
 }
+
+
+def _reset_scale(p: TRAParams, op: OpSpec) -> None:
+    p.scale = 1.0
+
+
+def _reset_rotate(p: TRAParams, op: OpSpec) -> None:
+    p.angles[op.axis] = 0.0
+
+
+def _reset_rot90(p: TRAParams, op: OpSpec) -> None:
+    p.rot90 = [(axis, k) for axis, k in p.rot90 if axis != op.axis]
+
+
+def _reset_flip(p: TRAParams, op: OpSpec) -> None:
+    p.flip_axes = [axis for axis in p.flip_axes if axis != op.axis]
+
+
+def _reset_field(name: str, identity: float) -> Callable[[TRAParams, OpSpec], None]:
+    def reset(p: TRAParams, op: OpSpec) -> None:
+        setattr(p, name, identity)
+
+    return reset
+
+
+#: op kind -> puts the parameters of that kind back to the identity (the inverse of :data:`PARAM_SAMPLERS`).
+PARAM_RESETTERS: dict[str, Callable[[TRAParams, OpSpec], None]] = {
+    "scale": _reset_scale,
+    "rotate": _reset_rotate,
+    "rot90": _reset_rot90,
+    "flip": _reset_flip,
+    "gamma": _reset_field("gamma", 1.0),
+    "inverted_gamma": _reset_field("inverted_gamma", 1.0),
+    "shift": _reset_field("shift", 0.0),
+    "intensity_scale": _reset_field("intensity_factor", 1.0),
+    "contrast": _reset_field("contrast_factor", 1.0),
+    "blur": _reset_field("blur_sigma", 0.0),
+    "sharpen": _reset_field("sharpen_sigma", 0.0),
+    "noise": _reset_field("noise_std", 0.0),
+    "low_resolution": _reset_field("lowres_zoom", 1.0),
+}
+
+
+def replace_series_op(
+    params: TRAParams,
+    series_index: int,
+    op_index: int,
+    rng: np.random.RandomState,
+    series: Sequence[Series] = TRA_SERIES,
+) -> TRAParams:
+    """A copy of ``params`` with series ``series_index`` switched to op ``op_index`` (0 = identity).
+
+    The other series keep their drawn magnitudes exactly, so the copy is the same augmented sample except for
+    that one series: the counterfactual of paired scoring (:class:`jcsaug.policy.TRACascaded`).
+    """
+    out = copy.deepcopy(params)
+    chosen = series[series_index]
+    for op in chosen.ops:  # a series may mix kinds (blur / sharpen): undo all of them
+        PARAM_RESETTERS[op.kind](out, op)
+    op = chosen.op(int(op_index))
+    if op is not None:
+        PARAM_SAMPLERS[op.kind](out, op, rng)
+    return out
 
 
 def sample_tra_params(

@@ -10,11 +10,17 @@ from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.transforms import MapTransform, Randomizable
 
-from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, sample_tra_params
+from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, replace_series_op, sample_tra_params
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.transforms import DEFAULT_GROUP_KEY, _group_of
 
 DEFAULT_OP_KEY = "tra_ops"
+DEFAULT_CF_OP_KEY = "tra_cf_ops"
+COUNTERFACTUAL_SUFFIX = "_cf"
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    return x.as_tensor() if isinstance(x, MetaTensor) else x
 
 
 def _rewrap(out: torch.Tensor, src: object) -> torch.Tensor:
@@ -26,7 +32,7 @@ def _rewrap(out: torch.Tensor, src: object) -> torch.Tensor:
         wrapped.applied_operations = list(src.applied_operations)
         wrapped.is_batch = src.is_batch
         return wrapped
-    return out
+    return _plain(out)  # plain in, plain out (MONAI's intensity transforms may return MetaTensors)
 
 
 class TRACascaded(Randomizable, MapTransform):
@@ -48,6 +54,14 @@ class TRACascaded(Randomizable, MapTransform):
         group_key: key of the class group; ignored by a 1-group policy.
         op_key: where the chosen op indices are stored.
         padding_mode: padding of the affine resampling for images (labels pad with 0).
+        counterfactuals: K, for the paired TRA estimator (``TRAPolicyUpdater(estimator="paired")``): the number of
+            *counterfactual* copies of the sample to make, each differing from it in one series only. A copy
+            draws a non-identity op uniformly over all ops of all series; if the sample's own op in that series
+            is not the identity, the copy has the identity there instead (it scores the drawn op), else the copy
+            applies the drawn op (it explores). The other series keep their exact magnitudes. Stored as
+            ``key + "_cf"`` (``[K, C, X, Y, Z]``) for every image and label key and ``cf_op_key`` (``[K, 2]``:
+            series, op of the copy). 0 (default) makes none and adds nothing to the sample.
+        cf_op_key: where the counterfactual (series, op) pairs are stored.
     """
 
     def __init__(
@@ -59,8 +73,16 @@ class TRACascaded(Randomizable, MapTransform):
         op_key: str = DEFAULT_OP_KEY,
         padding_mode: str = "zeros",
         allow_missing_keys: bool = False,
+        counterfactuals: int = 0,
+        cf_op_key: str = DEFAULT_CF_OP_KEY,
     ) -> None:
         MapTransform.__init__(self, keys, allow_missing_keys)
+        if int(counterfactuals) < 0:
+            raise ValueError(f"counterfactuals must be >= 0, got {counterfactuals}")
+        self.counterfactuals = int(counterfactuals)
+        self.cf_op_key = cf_op_key
+        # every non-identity op of every series as (series, op): the copies draw uniformly from this list
+        self._explorable = [(s, j) for s, series in enumerate(TRA_SERIES) for j in range(1, series.size)]
         if policy.series_sizes != tuple(s.size for s in TRA_SERIES):
             raise ValueError(
                 f"TRACascaded needs a policy over the 15 TRA series (sizes {[s.size for s in TRA_SERIES]}), "
@@ -76,6 +98,16 @@ class TRACascaded(Randomizable, MapTransform):
         choices = self.policy.sample_ops(_group_of(data, self.group_key, self.policy), self.R)
         return choices, sample_tra_params(choices, self.R)
 
+    def randomize_counterfactuals(self, choices: np.ndarray, params: TRAParams) -> list[tuple[int, int, TRAParams]]:
+        """The K counterfactual copies: ``(series, op of the copy, its params)`` (see ``counterfactuals``)."""
+        out = []
+        for _ in range(self.counterfactuals):
+            series, op = self._explorable[int(self.R.randint(len(self._explorable)))]
+            if int(choices[series]) != 0:
+                op = 0
+            out.append((series, op, replace_series_op(params, series, op, self.R)))
+        return out
+
     def __call__(self, data: Mapping) -> dict:
         d = dict(data)
         choices, params = self.randomize(d)
@@ -84,7 +116,14 @@ class TRACascaded(Randomizable, MapTransform):
         missing = [k for k in labels if k not in d]
         if missing:
             raise KeyError(f"TRACascaded: label key(s) {missing} not in data (keys: {list(d)})")
+        counterfactuals = self.randomize_counterfactuals(choices, params) if self.counterfactuals else []
         out_images, out_labels = apply_tra(images, labels, params, padding_mode=self.padding_mode)
+        if counterfactuals:
+            copies = [apply_tra(images, labels, p, padding_mode=self.padding_mode) for _, _, p in counterfactuals]
+            for k in (*out_images, *out_labels):
+                # plain tensors: some intensity ops return MetaTensors, and a batch must not mix the two types
+                d[k + COUNTERFACTUAL_SUFFIX] = torch.stack([_plain({**ci, **cl}[k]) for ci, cl in copies])
+            d[self.cf_op_key] = torch.tensor([[s, j] for s, j, _ in counterfactuals], dtype=torch.long)
         for k, v in {**out_images, **out_labels}.items():
             d[k] = _rewrap(v, d[k])
         d[self.op_key] = torch.as_tensor(choices, dtype=torch.long)

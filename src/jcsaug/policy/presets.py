@@ -87,7 +87,9 @@ def series_probs(preset: str | Mapping[str, float | Sequence[float]], series: Se
     """Initial probabilities of ``series`` from a preset name or a user mapping.
 
     A mapping gives per series name either ``q`` (heuristic probability of applying an op) or a full
-    probability vector (identity first). Series it leaves out are never applied (identity only).
+    probability vector (identity first). Series it leaves out are never applied (identity only), unless the
+    mapping names a preset under ``"base"``: then they keep that preset's probabilities (e.g.
+    ``{"base": "nnunet", "rotate_frontal": [0.5, 0, 0, 0, 0.5]}``).
     """
     if isinstance(preset, str):
         if preset not in TRA_PRESETS:
@@ -95,12 +97,18 @@ def series_probs(preset: str | Mapping[str, float | Sequence[float]], series: Se
         return TRA_PRESETS[preset](series)
     if not isinstance(preset, Mapping):
         raise TypeError(f"preset must be a name or a mapping of series -> probability, got {type(preset).__name__}")
+    preset = dict(preset)
+    base = preset.pop("base", None)
+    base_probs = series_probs(base, series) if base is not None else None
     names = {s.name for s in series}
     unknown = sorted(set(preset) - names)
     if unknown:
         raise KeyError(f"unknown series {unknown} in preset mapping; series are {[s.name for s in series]}")
     out = []
-    for s in series:
+    for i, s in enumerate(series):
+        if s.name not in preset and base_probs is not None:
+            out.append(base_probs[i])
+            continue
         value = preset.get(s.name, 0.0)
         if np.ndim(value) == 0:
             out.append(heuristic_probs(s.size, float(value)))

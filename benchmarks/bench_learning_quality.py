@@ -1,0 +1,225 @@
+"""Learning quality: does the learned augmentation beat the heuristic one, and does it find what undoes the shift?
+
+Command (from the repository root; one default-bundle run is 4-6 min on 2 quiet CPU cores, about 1 min on a
+GPU, and the defaults make 3 modes x 3 seeds = 9 runs)::
+
+    python benchmarks/bench_learning_quality.py
+    # defaults: --modes heuristic+mirror class-specific+joint oracle+mirror --seeds 0 1 2 --shift default
+    #           --device cpu --jobs 1 --out benchmarks/results/learning_quality
+    python benchmarks/bench_learning_quality.py --device cuda --jobs 4
+    python benchmarks/bench_learning_quality.py --shift rotate-longitudinal   # a shift the defaults were not tuned on
+    python benchmarks/bench_learning_quality.py --modes heuristic+mirror paper --set max_epochs=80
+
+Every run is the default bundle (``bundles/synthetic_lesion/configs/train.yaml``) launched as a user would
+(``python -m monai.bundle run``) on the synthetic dataset of ``--shift`` (generated once under ``--out``), with
+the mode's overrides, ``seed`` and ``--set`` overrides. The modes (:data:`MODES`; add ``--modes`` names of it):
+
+* ``heuristic+mirror``: nnU-Net's heuristic TRA, nnU-Net's 8-flip mirroring TTA (the baseline);
+* ``class-specific+joint``: the bundle's defaults: class-specific TRA and TEA learned jointly;
+* ``oracle+mirror``: heuristic TRA with the ops that undo the shift set by hand (each such series: identity
+  0.5, the op 0.5), *read from the dataset's own metadata* (``dataset.json`` ``domain_shift.undone_by``), and
+  mirroring TTA: what knowing the answer is worth (the ceiling);
+* ``paper``: class-specific + joint with the paper's estimators (Gumbel straight-through, policy-sampled TEA
+  copies) and the bundle's former fixed learning rates;
+* ``learned+joint``: one TRA policy for all patches (not class-specific) + joint TEA.
+
+A run's ``metrics.json`` holds the test Dice without TTA (``none``) and with its TEA, so a ``class-specific+joint``
+run also gives *learned TRA without TTA* and a ``heuristic+mirror`` run *heuristic TRA without TTA*. Printed:
+test Dice per seed, mean ± sd, the differences against ``heuristic+mirror`` and the share of the oracle's gain;
+the final probability of every TRA op that undoes the shift in each class group; the rank of the TEA ops that
+undo it; the wall time of each run. Targets (issue 10): joint - heuristic+mirror >= 6 Dice points; learned TRA
+without TTA - heuristic without TTA >= 4; each undoing TRA op >= 0.3 in both class groups; each aspect of the
+shift undone by one of the TEA policy's top ``--tea-z`` ops. A Markdown table goes to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "bundles" / "synthetic_lesion" / "configs"
+
+#: mode name -> bundle overrides (``oracle`` is filled in from the dataset's metadata)
+MODES: dict[str, dict[str, str]] = {
+    "heuristic+mirror": {"tra_mode": "heuristic", "tea_mode": "heuristic"},
+    "class-specific+joint": {"tra_mode": "class-specific", "tea_mode": "joint"},
+    "oracle+mirror": {"tra_mode": "heuristic", "tea_mode": "heuristic"},
+    "paper": {
+        "tra_mode": "class-specific", "tea_mode": "joint", "tra_estimator": "gumbel", "tea_estimator": "gumbel",
+        "tra_logit_budget": "None", "tea_logit_budget": "None", "tra_lr": "0.02", "tea_lr": "0.01",
+    },
+    "learned+joint": {"tra_mode": "learned", "tea_mode": "joint"},
+}  # fmt: skip
+BASELINE = "heuristic+mirror"
+
+
+def oracle_preset(undone_by: dict) -> dict:
+    """The nnU-Net preset with every series holding a shift-undoing op set to identity 0.5, that op 0.5."""
+    from jcsaug.ops.tra import TRA_SERIES
+
+    preset: dict = {"base": "nnunet"}
+    by_name = {s.name: s for s in TRA_SERIES}
+    for entry in undone_by["tra"]:
+        series = by_name[entry["series"]]
+        probs = [0.0] * series.size
+        probs[0], probs[series.index_of(entry["op"])] = 0.5, 0.5
+        preset[entry["series"]] = probs
+    return preset
+
+
+def prepare_dataset(out: Path, shift: str) -> tuple[Path, dict]:
+    from jcsaug.data import make_synthetic_dataset
+
+    data = out / f"data_{shift}"
+    json_path = make_synthetic_dataset(data, seed=0, target_shift=shift, progress=False)
+    return data, json.loads(Path(json_path).read_text())["domain_shift"]
+
+
+def run_one(mode: str, seed: int, data: Path, run_dir: Path, overrides: dict, device: str, reuse: bool) -> dict:
+    """One bundle run (skipped when ``reuse`` and its metrics exist); returns its parsed results."""
+    metrics = run_dir / "metrics.json"
+    if not (reuse and metrics.is_file()):
+        args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(CONFIGS / "train.yaml"),
+                "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf"),
+                "--dataset_dir", str(data), "--output_dir", str(run_dir), "--seed", str(seed)]  # fmt: skip
+        if device != "auto":
+            args += ["--device", f"$torch.device('{device}')"]
+        for key, value in overrides.items():
+            args += [f"--{key}", str(value)]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        with open(run_dir / "bench.log", "w") as log:
+            result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ.copy())
+        if result.returncode != 0:
+            raise RuntimeError(f"{mode} seed {seed} failed (exit {result.returncode}); see {run_dir / 'bench.log'}")
+        (run_dir / "bench_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+    seconds = float((run_dir / "bench_seconds.txt").read_text()) if (run_dir / "bench_seconds.txt").is_file() else 0.0
+    m = json.loads(metrics.read_text())
+    tta = [k for k in m if k != "none" and isinstance(m[k], dict) and "mean_dice" in m[k]]
+    return {
+        "none": 100 * m["none"]["mean_dice"],
+        "tta": 100 * m[tta[0]]["mean_dice"] if tta else None,
+        "policies": json.loads((run_dir / "policies.json").read_text()),
+        "seconds": seconds,
+    }
+
+
+def tra_probability(policies: dict, series: str, op: str) -> list[float]:
+    """The op's final probability in every class group."""
+    out = []
+    for group in policies["tra"]["groups"]:
+        entry = next(s for s in group["series"] if s["series"] == series)
+        out.append(next(o["probability"] for o in entry["ops"] if o["name"] == op))
+    return out
+
+
+def tea_ranks(policies: dict) -> dict[str, int]:
+    ops = sorted(policies["tea"]["ops"], key=lambda o: -o["probability"])
+    return {o["name"]: rank + 1 for rank, o in enumerate(ops)}
+
+
+def mean_sd(values: list[float]) -> str:
+    if not values:
+        return "-"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.1f} ± {sd:.1f}"
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", nargs="+", default=[BASELINE, "class-specific+joint", "oracle+mirror"],
+                        choices=sorted(MODES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--shift", default="default", help="target shift of the synthetic dataset (TARGET_SHIFTS)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, or auto (the bundle's own choice)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    parser.add_argument("--set", nargs="*", default=[], metavar="ID=VALUE", help="bundle overrides for every run")
+    parser.add_argument("--tea-z", type=int, default=8, help="top TEA ops used at test time (the bundle's tea_z)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_quality")
+    parser.add_argument("--reuse", action="store_true", help="keep runs whose metrics.json exists")
+    args = parser.parse_args()  # fmt: skip
+
+    data, shift = prepare_dataset(args.out, args.shift)
+    undone_by = shift["undone_by"]
+    common = dict(item.split("=", 1) for item in args.set)
+    modes = [BASELINE] + [m for m in args.modes if m != BASELINE]
+    jobs = []
+    for mode in modes:
+        overrides = {**MODES[mode], **common}
+        if mode == "oracle+mirror":
+            overrides["tra_preset"] = json.dumps(oracle_preset(undone_by))
+        for seed in args.seeds:
+            jobs.append((mode, seed, data, args.out / "runs" / args.shift / mode / f"seed{seed}", overrides))
+    print(f"shift {args.shift!r}: undone by TRA {undone_by['tra']} / TEA {undone_by['tea']}; {len(jobs)} runs")
+    results: dict[tuple[str, int], dict] = {}
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {pool.submit(run_one, m, s, d, r, o, args.device, args.reuse): (m, s) for m, s, d, r, o in jobs}
+        for future, key in futures.items():
+            results[key] = future.result()
+            print(f"  {key[0]} seed {key[1]}: Dice none {results[key]['none']:.1f} / TTA {results[key]['tta']:.1f}"
+                  f" ({results[key]['seconds']:.0f} s)", flush=True)  # fmt: skip
+
+    lines = [f"## Learning quality, shift `{args.shift}`, seeds {args.seeds}, device {args.device}", "",
+             "| mode | " + " | ".join(f"seed {s} none / TTA" for s in args.seeds)
+             + " | mean none | mean TTA | Δ TTA vs baseline | share of oracle gain | s / run |",
+             "|---" * (len(args.seeds) + 6) + "|"]  # fmt: skip
+    base = {s: results[(BASELINE, s)] for s in args.seeds}
+    oracle_gain = None
+    if "oracle+mirror" in modes:
+        oracle_gain = statistics.mean(results[("oracle+mirror", s)]["tta"] - base[s]["tta"] for s in args.seeds)
+    summary = {}
+    for mode in modes:
+        rows = [results[(mode, s)] for s in args.seeds]
+        delta = [r["tta"] - base[s]["tta"] for r, s in zip(rows, args.seeds)]
+        delta_none = [r["none"] - base[s]["none"] for r, s in zip(rows, args.seeds)]
+        summary[mode] = (delta, delta_none)
+        share = f"{100 * statistics.mean(delta) / oracle_gain:.0f} %" if oracle_gain and mode != BASELINE else "-"
+        cells = " | ".join(f"{r['none']:.1f} / {r['tta']:.1f}" for r in rows)
+        lines.append(f"| {mode} | {cells} | {mean_sd([r['none'] for r in rows])} | {mean_sd([r['tta'] for r in rows])}"
+                     f" | {mean_sd(delta)} | {share} | {statistics.mean(r['seconds'] for r in rows):.0f} |")  # fmt: skip
+    lines += ["", "Final probabilities of the TRA ops that undo the shift (per class group, per seed), and the ranks "
+              "of the TEA ops that undo it (best of the equivalent ops, per seed):", ""]  # fmt: skip
+    learned = [m for m in modes if MODES[m]["tra_mode"] in ("learned", "class-specific")]
+    checks = []
+    for mode in learned:
+        for entry in undone_by["tra"]:
+            probs = [tra_probability(results[(mode, s)]["policies"], entry["series"], entry["op"]) for s in args.seeds]
+            text = "; ".join(", ".join(f"{p:.2f}" for p in groups) for groups in probs)
+            lines.append(f"- {mode}: TRA `{entry['series']}/{entry['op']}`: {text}")
+            checks.append((f"{mode}: TRA {entry['series']}/{entry['op']} >= 0.3 in every group (mean over seeds)",
+                           min(statistics.mean(p[g] for p in probs) for g in range(len(probs[0]))) >= 0.3))
+        if MODES[mode]["tea_mode"] == "joint":
+            for aspect in undone_by["tea"]:
+                ranks = [min(tea_ranks(results[(mode, s)]["policies"])[name] for name in aspect) for s in args.seeds]
+                lines.append(f"- {mode}: TEA {' / '.join(aspect)}: rank {', '.join(map(str, ranks))}")
+                checks.append((f"{mode}: TEA {aspect[0]} (or equivalent) in the top {args.tea_z} (median seed)",
+                               statistics.median(ranks) <= args.tea_z))
+    lines += ["", "Targets:", ""]
+    if "class-specific+joint" in summary:
+        delta, delta_none = summary["class-specific+joint"]
+        checks = [(f"joint - heuristic+mirror >= 6 Dice points (mean {statistics.mean(delta):+.1f})",
+                   statistics.mean(delta) >= 6),
+                  (f"learned TRA without TTA - heuristic without TTA >= 4 (mean {statistics.mean(delta_none):+.1f})",
+                   statistics.mean(delta_none) >= 4)] + checks  # fmt: skip
+    lines += [f"- {verdict(ok)} {text}" for text, ok in checks]
+    report = "\n".join(lines) + "\n"
+    print("\n" + report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"learning_quality_{args.shift}.md").write_text(report)
+    print(f"written: {args.out / f'learning_quality_{args.shift}.md'}")
+
+
+if __name__ == "__main__":
+    main()

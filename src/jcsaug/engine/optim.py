@@ -1,0 +1,109 @@
+"""Adam on the policy logits, stepping only the entries an update chose (SPEC §4: "unchanged" means the logits
+*and* their optimiser state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["MaskedAdam"]
+
+
+class MaskedAdam(torch.optim.Optimizer):
+    """Adam whose :meth:`step` updates only the entries selected by a boolean ``mask``.
+
+    Entries outside the mask keep their value, both moments *and* their own step count, bit for bit; with
+    ``mask=None`` (or all true) every step equals ``torch.optim.Adam``'s (same update formula and bias
+    correction).
+
+    With ``frequency_scaling=True`` an entry's step is multiplied by ``calls / steps``, the inverse of the share
+    of steps it took part in (at most ``max_scale``): an op measured in one update out of ten moves ten times as
+    far per measurement, so over a run every entry can move as far as one stepped every time (an importance
+    weight for how often the estimator measures it).
+
+    Why by hand: ``torch.optim.Adam`` moves every entry through its first moment even where the gradient is
+    zero (a masked logit kept moving by up to 67 % of a full step), and ``torch.optim.SparseAdam`` counts one
+    step per tensor, so an entry first updated at step 100 gets a bias correction for 100 steps it never took
+    (an oversized first step). Here each entry counts its own steps.
+
+    Example:
+        >>> logits = torch.nn.Parameter(torch.zeros(4))
+        >>> opt = MaskedAdam([logits], lr=0.1)
+        >>> logits.grad = torch.tensor([1.0, -1.0, 1.0, 1.0])
+        >>> opt.step(mask=torch.tensor([True, True, False, False]))
+        >>> logits.detach()
+        tensor([-0.1000,  0.1000,  0.0000,  0.0000])
+        >>> opt.state[logits]["step"]
+        tensor([1., 1., 0., 0.])
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        frequency_scaling: bool = False,
+        max_scale: float = 10.0,
+    ) -> None:
+        if lr < 0:
+            raise ValueError(f"learning rate must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if max_scale < 1:
+            raise ValueError(f"max_scale must be >= 1, got {max_scale}")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "frequency_scaling": bool(frequency_scaling),
+                    "max_scale": float(max_scale)}  # fmt: skip
+        super().__init__(params, defaults)
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["calls"] = torch.zeros((), dtype=torch.float64)  # steps of the tensor, whatever the mask
+            state["step"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif state["step"].shape != p.shape:  # a checkpoint of torch.optim.Adam: one step count per tensor
+            state["calls"] = torch.tensor(float(state["step"]), dtype=torch.float64)
+            state["step"] = torch.full_like(p, float(state["step"]))
+        state.setdefault("calls", state["step"].max().double())
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, mask: torch.Tensor | None = None) -> float | None:
+        """One Adam step on the entries where ``mask`` is true (all entries if ``mask`` is None).
+
+        ``mask`` must have the parameter's shape; with several parameters pass ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if mask is not None and tuple(mask.shape) != tuple(p.shape):
+                    raise ValueError(f"mask of shape {tuple(mask.shape)} for a parameter of shape {tuple(p.shape)}")
+                sel = torch.ones_like(p, dtype=torch.bool) if mask is None else mask.to(p.device, torch.bool)
+                state = self._state_of(p)
+                grad = p.grad
+                step = torch.where(sel, state["step"] + 1, state["step"])
+                exp_avg = torch.where(sel, state["exp_avg"] * beta1 + (1 - beta1) * grad, state["exp_avg"])
+                exp_avg_sq = torch.where(
+                    sel, state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad, state["exp_avg_sq"]
+                )
+                safe_step = step.clamp(min=1)  # entries never stepped: any value, they are masked out below
+                # bias corrections in float64, as torch.optim.Adam computes them (from a Python float step)
+                step_size = (group["lr"] / (1 - beta1 ** safe_step.double())).to(p.dtype)
+                bias2_sqrt = (1 - beta2 ** safe_step.double()).sqrt().to(p.dtype)
+                denom = exp_avg_sq.sqrt() / bias2_sqrt + group["eps"]
+                calls = state["calls"] + 1
+                if group.get("frequency_scaling", False):
+                    step_size = step_size * (calls / safe_step.double()).clamp(max=group["max_scale"]).to(p.dtype)
+                p.copy_(torch.where(sel, p - step_size * (exp_avg / denom), p))
+                state["step"], state["exp_avg"], state["exp_avg_sq"] = step, exp_avg, exp_avg_sq
+                state["calls"] = calls
+        return loss

@@ -1,0 +1,158 @@
+"""MaskedAdam (true masking: undrawn ops keep logits *and* Adam state), frequency scaling, and the logit budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+
+from helpers import lesion_batch, tiny_unet, train_engine
+from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater
+from jcsaug.engine.optim import MaskedAdam
+from jcsaug.policy import make_tea_policy, make_tra_policy
+
+
+def test_full_mask_is_torch_adam():
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(3, 7))
+    b = torch.nn.Parameter(a.detach().clone())
+    reference, masked = torch.optim.Adam([a], lr=0.05), MaskedAdam([b], lr=0.05)
+    for _ in range(30):
+        grad = torch.randn(3, 7)
+        a.grad, b.grad = grad.clone(), grad.clone()
+        reference.step()
+        masked.step(mask=torch.ones(3, 7, dtype=torch.bool) if _ % 2 else None)
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_masked_entries_keep_value_moments_and_step_count():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(2, 5))
+    opt = MaskedAdam([p], lr=0.1)
+    for _ in range(3):  # give every entry some state first
+        p.grad = torch.randn(2, 5)
+        opt.step()
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    before = p.detach().clone()
+    mask = torch.tensor([[True, False, False, True, False], [False, False, True, False, False]])
+    p.grad = torch.randn(2, 5)
+    opt.step(mask=mask)
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(opt.state[p][key][~mask], state[key][~mask]), key
+        assert not torch.equal(opt.state[p][key][mask], state[key][mask]), key
+    assert torch.equal(p.detach()[~mask], before[~mask])
+    assert (p.detach()[mask] != before[mask]).all()
+
+
+def test_torch_adam_would_move_a_masked_entry():
+    """The defect MaskedAdam fixes: Adam's first moment moves an entry whose gradient is zero."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([p], lr=0.1)
+    p.grad = torch.tensor([1.0, 1.0])
+    opt.step()
+    p.grad = torch.tensor([1.0, 0.0])  # entry 1 "masked" by a zero gradient
+    before = float(p.detach()[1])
+    opt.step()
+    assert float(p.detach()[1]) != before
+
+
+def test_first_step_of_a_late_entry_is_a_plain_adam_step():
+    """Each entry counts its own steps: no oversized first step (torch.optim.SparseAdam's global count)."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = MaskedAdam([p], lr=0.1)
+    for _ in range(50):
+        p.grad = torch.tensor([1.0, 1.0])
+        opt.step(mask=torch.tensor([True, False]))
+    p.grad = torch.tensor([1.0, 1.0])
+    opt.step(mask=torch.tensor([False, True]))
+    assert float(p[1]) == pytest.approx(-0.1, rel=1e-5)
+
+
+def test_frequency_scaling_moves_rare_entries_as_far():
+    """An entry stepped in every other call moves (almost) as far in total as one stepped every call."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = MaskedAdam([p], lr=0.1, frequency_scaling=True, max_scale=25)
+    for t in range(40):
+        p.grad = torch.ones(3)
+        opt.step(mask=torch.tensor([True, t % 2 == 0, t % 10 == 9]))
+    moved = -p.detach()
+    assert moved[0] == pytest.approx(4.0, rel=1e-4)
+    assert 0.85 * moved[0] < moved[1] < 1.0 * moved[0]
+    assert 0.85 * moved[0] < moved[2] <= 1.05 * moved[0]
+    plain = torch.nn.Parameter(torch.zeros(1))
+    opt = MaskedAdam([plain], lr=0.1)
+    for t in range(40):
+        plain.grad = torch.ones(1)
+        opt.step(mask=torch.tensor([t % 10 == 9]))
+    assert float(-plain) == pytest.approx(0.4, rel=1e-4)  # without scaling: a tenth
+
+
+def test_loads_a_torch_adam_checkpoint():
+    p = torch.nn.Parameter(torch.zeros(4))
+    adam = torch.optim.Adam([p], lr=0.1)
+    p.grad = torch.ones(4)
+    adam.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    masked = MaskedAdam([q], lr=0.1)
+    masked.load_state_dict(adam.state_dict())
+    q.grad = torch.ones(4)
+    masked.step(mask=torch.tensor([True, True, False, False]))
+    assert masked.state[q]["step"].tolist() == [2.0, 2.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("estimator", ["gumbel", "paired"])
+def test_tea_update_leaves_unmeasured_ops_bit_identical(estimator):
+    policy = make_tea_policy()
+    net = tiny_unet()
+    updater = TEAPolicyUpdater(policy, net, [lesion_batch(4, seed=1)], lr=0.05, num_copies=4, estimator=estimator)
+    engine = Engine(lambda e, b: None)
+    before = {}
+
+    @engine.on(Events.ITERATION_COMPLETED(once=3))  # registered first: runs before the third update
+    def keep(_):
+        before["logits"] = policy.logits.detach().clone()
+        before["state"] = {k: v.clone() for k, v in updater.optimizer.state[policy.logits].items()}
+
+    updater.attach(engine)
+    engine.run(range(3), max_epochs=1)
+    logits, state = before["logits"], before["state"]
+    stepped = updater.optimizer.state[policy.logits]["step"] != state["step"]
+    assert 1 <= int(stepped.sum()) <= 5  # at most Z ops and the identity
+    assert torch.equal(policy.logits.detach()[~stepped], logits[~stepped])
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(updater.optimizer.state[policy.logits][key][~stepped], state[key][~stepped])
+
+
+def test_tra_gumbel_update_leaves_undrawn_ops_bit_identical():
+    policy = make_tra_policy("nnunet", num_groups=2)
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    batches = [lesion_batch(4, seed=i, tra_policy=policy) for i in range(3)]
+    updater = TRAPolicyUpdater(policy, net, [lesion_batch(4, seed=9)], opt, lr=0.05, val_loss="ce")
+    engine = train_engine(net, opt)
+    updater.attach(engine)
+    engine.run(batches[:2], max_epochs=1)
+    logits = policy.logits.detach().clone()
+    state = {k: v.clone() for k, v in updater.optimizer.state[policy.logits].items()}
+    engine.run(batches[2:], max_epochs=1)
+    drawn = torch.zeros_like(logits, dtype=torch.bool)  # by hand: (group, offset + op) of each sample's ops
+    for ops, group in zip(batches[2]["tra_ops"], batches[2]["class_group"]):
+        for s, op in enumerate(ops.tolist()):
+            drawn[int(group), policy.offsets[s] + op] = True
+    assert torch.equal(policy.logits.detach()[~drawn], logits[~drawn])
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(updater.optimizer.state[policy.logits][key][~drawn], state[key][~drawn])
+    assert (updater.optimizer.state[policy.logits]["step"][drawn] == state["step"][drawn] + 1).all()
+
+
+def test_logit_budget_sets_the_learning_rate_from_the_planned_updates():
+    policy = make_tea_policy()
+    updater = TEAPolicyUpdater(policy, tiny_unet(), [lesion_batch(4)], lr=1.0, update_every=2, logit_budget=3.0)
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run(range(10), max_epochs=4)  # 40 iterations, updates at 2, 4, ..., 40
+    decay = [(1 - (t - 1) / 40) ** 0.9 for t in range(2, 41, 2)]
+    assert updater.base_lr == pytest.approx(3.0 / sum(decay))
+    assert sum(updater.base_lr * d for d in decay) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="logit_budget"):
+        TEAPolicyUpdater(policy, tiny_unet(), [], logit_budget=0.0)

@@ -1,0 +1,263 @@
+"""The paired (counterfactual) estimators of issue 10: counterfactual copies, op effects, the derivative they
+estimate, a known-answer task, and the fixed-policy reuse of a learned ``policies.json``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from monai.data import list_data_collate
+from monai.utils import set_determinism
+
+from helpers import lesion_batch, tiny_unet, train_engine
+from jcsaug.engine import AugmentationSetup, TRAPolicyUpdater
+from jcsaug.engine.losses import batch_dice_loss
+from jcsaug.engine.paired import OpEffects
+from jcsaug.ops.tra import TRA_SERIES, apply_tra, replace_series_op, sample_tra_params
+from jcsaug.policy import CategoricalPolicy, ClassGroupd, TRACascaded, make_tra_policy
+from jcsaug.policy.io import save_policies
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+ROT90_FRONTAL = (1, 4)  # (series, op): rotate_frontal / rot90, the quarter turn that swaps array axes 0 and 2
+
+
+# ------------------------------------------------------------------------------------------- counterfactual copies
+def test_replace_series_op_changes_that_series_only():
+    rng = np.random.RandomState(0)
+    choices = np.array([3, 2, 0, 1, 1, 0, 0, 2, 0, 1, 0, 3, 4, 2, 1])
+    params = sample_tra_params(choices, rng)
+    image = torch.randn(1, 12, 12, 12)
+    for series in range(len(TRA_SERIES)):
+        same = replace_series_op(params, series, int(choices[series]) and 0, rng)  # identity in that series
+        if choices[series] == 0:  # already the identity: the copy is the sample, bit for bit
+            assert torch.equal(apply_tra({"x": image}, {}, same)[0]["x"], apply_tra({"x": image}, {}, params)[0]["x"])
+    no_rot = replace_series_op(params, 1, 0, rng)
+    assert no_rot.angles[1] == 0.0 and no_rot.angles[0] == params.angles[0] and no_rot.scale == params.scale
+    rot90 = replace_series_op(params, *ROT90_FRONTAL, rng)
+    assert [a for a, _ in rot90.rot90].count(1) == 1 and rot90.gamma == params.gamma and rot90.shift == params.shift
+    assert params.rot90 == [(axis, k) for axis, k in params.rot90]  # the original is untouched (a copy)
+
+
+def test_cascade_counterfactual_copies():
+    policy = make_tra_policy("nnunet", num_groups=2)
+    cascade = TRACascaded("image", policy, label_keys="label", counterfactuals=6).set_random_state(3)
+    sample = {"image": torch.randn(1, 12, 12, 12), "label": (torch.rand(1, 12, 12, 12) > 0.7).to(torch.uint8),
+              "class_group": 1}  # fmt: skip
+    out = cascade(sample)
+    assert out["image_cf"].shape == (6, 1, 12, 12, 12) and out["label_cf"].shape == (6, 1, 12, 12, 12)
+    assert out["label_cf"].dtype == torch.uint8 and out["tra_cf_ops"].shape == (6, 2)
+    for (series, op), copy in zip(out["tra_cf_ops"].tolist(), out["image_cf"]):
+        drawn = int(out["tra_ops"][series])
+        assert (op == 0) == (drawn != 0)  # a drawn op is scored against the identity, else an op is explored
+        assert 0 <= op < TRA_SERIES[series].size
+        if op == 0 and drawn == 0:  # pragma: no cover - excluded by the rule above
+            assert torch.equal(copy, out["image"])
+    plain = TRACascaded("image", policy, label_keys="label").set_random_state(3)(sample)
+    assert "image_cf" not in plain and "tra_cf_ops" not in plain  # off: nothing added
+    assert torch.equal(plain["image"], out["image"])  # and the sample itself is the same draw
+    batch = list_data_collate([cascade(sample), cascade(sample)])
+    assert batch["image_cf"].shape == (2, 6, 1, 12, 12, 12) and batch["tra_cf_ops"].shape == (2, 6, 2)
+
+
+def test_explored_ops_are_uniform_over_all_ops():
+    policy = make_tra_policy({}, num_groups=1)  # identity everywhere: every copy explores
+    cascade = TRACascaded("image", policy, counterfactuals=8).set_random_state(0)
+    counts = np.zeros(len(cascade._explorable))
+    index = {pair: i for i, pair in enumerate(cascade._explorable)}
+    for _ in range(300):
+        rng_choices = np.zeros(len(TRA_SERIES), dtype=int)
+        params = sample_tra_params(rng_choices, cascade.R)
+        for s, op, _ in cascade.randomize_counterfactuals(rng_choices, params):
+            counts[index[(s, op)]] += 1
+    expected = counts.sum() / len(counts)
+    assert len(counts) == 47 and (counts > 0).all()
+    assert abs(counts - expected).max() < 5 * math.sqrt(expected)
+
+
+# ------------------------------------------------------------------------------------------- op effects
+def test_op_effects_gradient_by_hand():
+    policy = CategoricalPolicy([3, 2], num_groups=2)
+    with torch.no_grad():
+        policy.logits.copy_(torch.log(torch.tensor([[0.5, 0.25, 0.25, 0.8, 0.2], [0.6, 0.3, 0.1, 0.5, 0.5]])))
+    effects = OpEffects(policy, smoothing=0.5)
+    groups, series, ops = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 0, 1, 0, 0]), torch.tensor([1, 1, 1, 2, 0])
+    sums, counts = effects.accumulate(groups, series, ops, torch.tensor([-2.0, -4.0, 1.0, 5.0, 7.0]))
+    assert counts.tolist() == [[0, 2, 0, 0, 1], [0, 0, 1, 0, 0]]  # an identity "measurement" counts for nothing
+    grad, mask = effects.gradient(sums, counts)
+    # group 0, series 0: D = [0, -3, 0] (mean of -2, -4), b = 0.25 * -3; series 1: D = [0, 1], b = 0.2
+    b00, b01 = 0.25 * -3.0, 0.2 * 1.0
+    expected = torch.zeros(2, 5, dtype=torch.float64)
+    expected[0, :3] = torch.tensor([0.5 * (0 - b00), 0.25 * (-3 - b00), 0.0])
+    expected[0, 3:] = torch.tensor([0.8 * (0 - b01), 0.2 * (1 - b01)])
+    b10 = 0.1 * 5.0  # group 1, series 0: D = [0, 0, 5]
+    expected[1, :3] = torch.tensor([0.6 * (0 - b10), 0.0, 0.1 * (5 - b10)])
+    torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-9)
+    assert mask.tolist() == [[True, True, False, True, True], [True, False, True, False, False]]
+    # a second measurement folds into the running estimate (mean of the first 1/smoothing, then moving average)
+    sums, counts = effects.accumulate(torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), torch.tensor([1.0]))
+    effects.gradient(sums, counts)
+    assert float(effects.estimate[0, 1]) == pytest.approx(-3.0 + 0.5 * (1.0 + 3.0))
+    restored = OpEffects(policy)
+    restored.load_state_dict(effects.state_dict())
+    assert torch.equal(restored.estimate, effects.estimate) and torch.equal(restored.count, effects.count)
+
+
+def test_batch_dice_is_one_dice_over_the_batch():
+    from monai.losses import DiceLoss
+
+    torch.manual_seed(0)
+    logits, label = torch.randn(4, 3, 6, 6, 6), torch.randint(0, 3, (4, 1, 6, 6, 6))
+    reference = DiceLoss(include_background=False, to_onehot_y=True, softmax=True, batch=True)(logits, label)
+    torch.testing.assert_close(batch_dice_loss([(logits, label)]), reference, rtol=1e-5, atol=1e-6)
+    split = batch_dice_loss([(logits[:1], label[:1]), (logits[1:], label[1:])])
+    torch.testing.assert_close(split, reference, rtol=1e-5, atol=1e-6)  # chunks add up before the ratio
+
+
+# ------------------------------------------------------------------------------------------- the derivative
+def _counterfactual_batch(n: int, copies: int, seed: int, policy: CategoricalPolicy) -> dict:
+    raw = lesion_batch(n, size=12, seed=seed)
+    cascade = TRACascaded("image", policy, label_keys="label", counterfactuals=copies).set_random_state(seed)
+    samples = [cascade({"image": raw["image"][i], "label": raw["label"][i],
+                        "class_group": int(raw["class_group"][i])}) for i in range(n)]  # fmt: skip
+    batch = list_data_collate(samples)
+    return {k: (v.double() if torch.is_floating_point(v) and k != "label" else v) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize(("hypergradient", "min_cosine"), [("jvp", 0.999), ("finite-difference", 0.99)])
+def test_paired_effects_are_the_derivative_of_the_stepped_validation_loss(hypergradient, min_cosine):
+    """Each measured effect equals dL_val(theta*)/d(weight of op vs identity on that patch), found by brute force:
+    taking the training step with that pair's weight perturbed and re-evaluating the validation loss."""
+    torch.manual_seed(0)
+    net = tiny_unet().double()
+    alpha = 0.05
+    opt = torch.optim.SGD(net.parameters(), lr=alpha)
+    policy = make_tra_policy("nnunet", num_groups=2)
+    batch = _counterfactual_batch(4, 3, seed=1, policy=policy)
+    val = {k: (v.double() if k == "image" else v) for k, v in lesion_batch(4, size=12, seed=7).items()}
+    updater = TRAPolicyUpdater(policy, net, [val], opt, lr=0.01, train_loss="ce", val_loss="ce",
+                               hypergradient=hypergradient, estimator="paired")  # fmt: skip
+    measured = {}
+    accumulate = updater.effects.accumulate
+
+    def capture(groups, series, ops, effects):
+        measured["effects"] = effects.clone()
+        return accumulate(groups, series, ops, effects)
+
+    updater.effects.accumulate = capture
+    theta = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    engine = train_engine(net, opt, loss="ce")
+    updater.attach(engine)
+    engine.run([batch], max_epochs=1)
+    assert updater.updates == 1
+
+    # brute force: theta*(delta) = theta - alpha grad [L_train + delta (l_op - l_identity)], then L_val(theta*(delta))
+    from jcsaug.engine.losses import per_sample_ce
+
+    cf_ops = batch["tra_cf_ops"]
+    n, k = cf_ops.shape[:2]
+
+    def val_loss_after_step(i: int, j: int, delta: float) -> float:
+        model = tiny_unet().double()
+        model.load_state_dict(theta)
+        params = list(model.parameters())
+        loss = per_sample_ce(model(batch["image"]), batch["label"]).mean()
+        main = per_sample_ce(model(batch["image"][i : i + 1]), batch["label"][i : i + 1])[0]
+        copy = per_sample_ce(model(batch["image_cf"][i, j : j + 1]), batch["label_cf"][i, j : j + 1])[0]
+        op_minus_identity = copy - main if int(cf_ops[i, j, 1]) != 0 else main - copy
+        grads = torch.autograd.grad(loss + delta * op_minus_identity, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p -= alpha * g
+        model.eval()
+        with torch.no_grad():
+            return float(per_sample_ce(model(val["image"]), val["label"]).mean())
+
+    brute = torch.tensor([(val_loss_after_step(i, j, 1e-4) - val_loss_after_step(i, j, -1e-4)) / 2e-4
+                          for i in range(n) for j in range(k)], dtype=torch.float64)  # fmt: skip
+    paired = measured["effects"]
+    cosine = float(torch.nn.functional.cosine_similarity(paired, brute, dim=0))
+    assert cosine > min_cosine, (cosine, paired, brute)
+    scale = float((brute @ paired) / (paired @ paired))  # effects are scale-free: brute = alpha ||v|| D
+    assert scale > 0
+
+
+# ------------------------------------------------------------------------------------------- a known answer
+def _oriented_sample(rng: np.random.RandomState, size: int, lesion_axis: int, centre_on_lesion: bool) -> dict:
+    """Noise with two bright bars: the lesion along ``lesion_axis`` (label 1) and a distractor along the other
+    in-plane axis of a frontal quarter turn (label 0). Only the orientation tells them apart."""
+    other = 2 if lesion_axis == 0 else 0
+    img = rng.randn(1, size, size, size).astype(np.float32) * 0.3
+    lab = np.zeros((1, size, size, size), dtype=np.float32)
+    c, off = size // 2, size // 4
+    centres = {"lesion": (c, c, c), "distractor": (c, c + off, c + off)}
+    if not centre_on_lesion:
+        centres = {"lesion": (c, c + off, c + off), "distractor": (c, c, c)}
+    for name, axis in (("lesion", lesion_axis), ("distractor", other)):
+        sl = [slice(p - 1, p + 1) for p in centres[name]]
+        sl[axis] = slice(1, size - 1)
+        img[(0, *sl)] += 1.5
+        if name == "lesion":
+            lab[(0, *sl)] = 1
+    return {"image": torch.from_numpy(img), "label": torch.from_numpy(lab)}
+
+
+def _oriented_batches(policy, lesion_axis: int, seed: int, n: int = 8, size: int = 12, copies: int = 4):
+    rng = np.random.RandomState(seed)
+    group = ClassGroupd("label")
+    cascade = TRACascaded("image", policy, label_keys="label", counterfactuals=copies).set_random_state(seed)
+    while True:
+        yield list_data_collate(
+            [cascade(group(_oriented_sample(rng, size, lesion_axis, i % 2 == 0))) for i in range(n)]
+        )
+
+
+@pytest.mark.parametrize("estimator", ["paired", "gumbel"])
+def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estimator):
+    set_determinism(seed=0)
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    policy = make_tra_policy("nnunet", num_groups=2)
+    start = policy.probabilities()[ROT90_FRONTAL[0]][:, ROT90_FRONTAL[1]].clone()
+    rng = np.random.RandomState(100)
+    group = ClassGroupd("label")
+    val = [list_data_collate([group(_oriented_sample(rng, 12, 2, i % 2 == 0)) for i in range(8)]) for _ in range(4)]
+    updater = TRAPolicyUpdater(policy, net, val, opt, estimator=estimator, val_loss="batch-dice", logit_budget=6.0,
+                               seed=0, train_loss="ce+dice")  # fmt: skip
+    engine = train_engine(net, opt)
+    updater.attach(engine)
+    engine.run(_oriented_batches(policy, lesion_axis=0, seed=0), max_epochs=1, epoch_length=40)
+    set_determinism(None)
+    end = policy.probabilities()[ROT90_FRONTAL[0]][:, ROT90_FRONTAL[1]]
+    assert torch.isfinite(policy.logits).all() and updater.updates == 40
+    if estimator == "paired":  # the estimator finds the op that undoes the shift, in both class groups
+        assert (end > 2 * start).all(), (start, end)
+    else:  # the paper's estimator still runs on the same task (it needs far more updates to find the op)
+        assert updater.skipped < 40 and not torch.equal(end, start)
+
+
+# ------------------------------------------------------------------------------------------- learn once, reuse
+def test_fixed_mode_reuses_a_learned_policy_unchanged(tmp_path):
+    learned = make_tra_policy("nnunet", num_groups=2)
+    with torch.no_grad():
+        learned.logits[1, 4] += 3.0  # "learned": the foreground group's quarter turn
+    path = save_policies(tmp_path / "policies.json", learned)
+    setup = AugmentationSetup("fixed", "none", tra_policy_file=path)
+    for a, b in zip(setup.tra_policy.probabilities(), learned.probabilities()):
+        torch.testing.assert_close(a, b)
+    assert not setup.learn_tra and setup.counterfactuals == 0
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    assert setup.handlers(net, opt, [lesion_batch(4)]) == []  # no updater: never learned
+    before = setup.tra_policy.logits.detach().clone()
+    batch = lesion_batch(4, seed=2, tra_policy=setup.tra_policy)
+    engine = train_engine(net, opt)
+    engine.run([batch, batch], max_epochs=2)
+    assert torch.equal(setup.tra_policy.logits.detach(), before)
+    with pytest.raises(ValueError, match="tra_policy"):
+        AugmentationSetup("fixed", "none")
+    only_tea = save_policies(tmp_path / "tea_only.json", None, None)
+    with pytest.raises(ValueError, match="no TRA policy"):
+        AugmentationSetup("fixed", "none", tra_policy_file=only_tea)
