@@ -187,8 +187,9 @@ def main() -> None:
         summary[mode] = (delta, delta_none)
         share = f"{100 * statistics.mean(delta) / oracle_gain:.0f} %" if oracle_gain and mode != BASELINE else "-"
         cells = " | ".join(f"{r['none']:.1f} / {r['tta']:.1f}" for r in rows)
-        lines.append(f"| {mode} | {cells} | {mean_sd([r['none'] for r in rows])} | {mean_sd([r['tta'] for r in rows])}"
-                     f" | {mean_sd(delta)} | {share} | {statistics.mean(r['seconds'] for r in rows):.0f} |")  # fmt: skip
+        means = f"{mean_sd([r['none'] for r in rows])} | {mean_sd([r['tta'] for r in rows])}"
+        seconds = statistics.mean(r["seconds"] for r in rows)
+        lines.append(f"| {mode} | {cells} | {means} | {mean_sd(delta)} | {share} | {seconds:.0f} |")
     lines += ["", "Final probabilities of the TRA ops that undo the shift (per class group, per seed), and the ranks "
               "of the TEA ops that undo it (best of the equivalent ops, per seed):", ""]  # fmt: skip
     learned = [m for m in modes if MODES[m]["tra_mode"] in ("learned", "class-specific")]
