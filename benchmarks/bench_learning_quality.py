@@ -139,8 +139,9 @@ def verdict(ok: bool) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--modes", nargs="+", default=[BASELINE, "class-specific+joint", "oracle+mirror"],
-                        choices=sorted(MODES))
+    parser.add_argument(
+        "--modes", nargs="+", default=[BASELINE, "class-specific+joint", "oracle+mirror"], choices=sorted(MODES)
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--shift", default="default", help="target shift of the synthetic dataset (TARGET_SHIFTS)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, or auto (the bundle's own choice)")
@@ -199,14 +200,22 @@ def main() -> None:
             probs = [tra_probability(results[(mode, s)]["policies"], entry["series"], entry["op"]) for s in args.seeds]
             text = "; ".join(", ".join(f"{p:.2f}" for p in groups) for groups in probs)
             lines.append(f"- {mode}: TRA `{entry['series']}/{entry['op']}`: {text}")
-            checks.append((f"{mode}: TRA {entry['series']}/{entry['op']} >= 0.3 in every group (mean over seeds)",
-                           min(statistics.mean(p[g] for p in probs) for g in range(len(probs[0]))) >= 0.3))
+            checks.append(
+                (
+                    f"{mode}: TRA {entry['series']}/{entry['op']} >= 0.3 in every group (mean over seeds)",
+                    min(statistics.mean(p[g] for p in probs) for g in range(len(probs[0]))) >= 0.3,
+                )
+            )
         if MODES[mode]["tea_mode"] == "joint":
             for aspect in undone_by["tea"]:
                 ranks = [min(tea_ranks(results[(mode, s)]["policies"])[name] for name in aspect) for s in args.seeds]
                 lines.append(f"- {mode}: TEA {' / '.join(aspect)}: rank {', '.join(map(str, ranks))}")
-                checks.append((f"{mode}: TEA {aspect[0]} (or equivalent) in the top {args.tea_z} (median seed)",
-                               statistics.median(ranks) <= args.tea_z))
+                checks.append(
+                    (
+                        f"{mode}: TEA {aspect[0]} (or equivalent) in the top {args.tea_z} (median seed)",
+                        statistics.median(ranks) <= args.tea_z,
+                    )
+                )
     lines += ["", "Targets:", ""]
     if "class-specific+joint" in summary:
         delta, delta_none = summary["class-specific+joint"]
