@@ -56,6 +56,14 @@ default for the verdicts) and ``cpu`` (this process's CPU time, summed over its 
    over the RSS after set-up (imports, model, data) is printed for information: it isolates what training
    itself allocates, the closer analogue of a GPU's peak allocated memory.
 
+5. the cost of each estimator option per update (``--options``, on by default; ``--no-options`` skips it):
+   every option is one ``TRAPolicyUpdater`` or ``TEAPolicyUpdater`` alone, updating every iteration on the same
+   batches (training batches carry ``--cf-max`` counterfactual copies per patch, as ``TRACascaded`` makes them),
+   its iterations interleaved round by round with a ``plain`` engine's; printed: ms per update (median iteration
+   time minus plain's) and the ratio to the paper's TRA update (``gumbel``, one validation batch). Options: the
+   paired TRA estimator with K = 1, 2, 4 copies, a validation pool of 6 batches, the batch soft Dice L_val, and
+   the TEA estimators (``gumbel``, ``paired``, ``paired`` on 4 patches).
+
 The targets live here, never in timed tests. Compare numbers only from the same machine, same ``--threads``.
 """
 
@@ -85,10 +93,10 @@ from monai.networks.nets import UNet
 
 import jcsaug.engine.tea_updater as tea_mod
 import jcsaug.engine.tra_updater as tra_mod
-from jcsaug.engine import AugmentationSetup
+from jcsaug.engine import AugmentationSetup, TEAPolicyUpdater, TRAPolicyUpdater
 from jcsaug.engine.base import PolicyUpdater
 from jcsaug.engine.losses import get_loss
-from jcsaug.policy import CategoricalPolicy, make_tra_policy
+from jcsaug.policy import CategoricalPolicy, make_tea_policy, make_tra_policy
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = time.process_time  # set from --clock in main()
@@ -332,6 +340,77 @@ def print_breakdown(t: dict[str, float], iterations: int, clock_name: str) -> No
 
 
 # ---------------------------------------------------------------------------------------------- memory child
+# ---------------------------------------------------------------------------------------------- 5. options
+#: option -> (updater class, its keyword arguments, counterfactual copies the training batches need)
+OPTIONS: dict[str, tuple[type, dict, int]] = {
+    "TRA gumbel (paper), 1 val batch": (TRAPolicyUpdater, {"estimator": "gumbel"}, 0),
+    "TRA paired K=1": (TRAPolicyUpdater, {"estimator": "paired"}, 1),
+    "TRA paired K=2": (TRAPolicyUpdater, {"estimator": "paired"}, 2),
+    "TRA paired K=4": (TRAPolicyUpdater, {"estimator": "paired"}, 4),
+    "TRA paired K=2, 6 val batches": (TRAPolicyUpdater, {"estimator": "paired", "val_batches": 6}, 2),
+    "TRA paired K=2, batch-dice L_val": (TRAPolicyUpdater, {"estimator": "paired", "val_loss": "batch-dice"}, 2),
+    "TEA gumbel (paper)": (TEAPolicyUpdater, {"estimator": "gumbel"}, 0),
+    "TEA paired": (TEAPolicyUpdater, {"estimator": "paired"}, 0),
+    "TEA paired, 4 patches": (TEAPolicyUpdater, {"estimator": "paired", "patches": 4}, 0),
+}
+
+
+def with_counterfactuals(batches: list[dict], copies: int, seed: int) -> list[dict]:
+    """The batches plus ``copies`` counterfactual copies per patch (other patches of the same shape stand in for
+    them: the cost does not depend on their content) and valid (series, op) records."""
+    rng = np.random.RandomState(seed)
+    sizes = make_tra_policy("nnunet", 2).series_sizes
+    out = []
+    for b in batches:
+        n = b["image"].shape[0]
+        pick = torch.from_numpy(rng.randint(0, n, size=(n, copies)))
+        series = rng.randint(0, len(sizes), size=(n, copies))
+        ops = np.array([[rng.randint(1, sizes[s]) for s in row] for row in series])
+        ops = np.where(b["tra_ops"].numpy()[np.arange(n)[:, None], series] != 0, 0, ops)
+        out.append({**b, "image_cf": b["image"][pick], "label_cf": b["label"][pick],
+                    "tra_cf_ops": torch.from_numpy(np.stack([series, ops], -1)).long()})  # fmt: skip
+    return out
+
+
+def option_costs(args: argparse.Namespace, init_state: dict, train: list[dict], val: list[dict]) -> None:
+    """Section 5: ms per update of every option, interleaved round by round with a plain engine."""
+    batches = with_counterfactuals(train, max(k for _, _, k in OPTIONS.values()), args.seed)
+    runs = {"plain": Run(None, init_state, val, args.copies, args.seed)}
+    for name, (cls, kwargs, copies) in OPTIONS.items():
+        run = Run(None, init_state, val, args.copies, args.seed)
+        if cls is TRAPolicyUpdater:
+            updater = cls(make_tra_policy("nnunet", 2), run.model, val, run.optimizer, lr=TRA_LR, **kwargs)
+        else:
+            updater = cls(make_tea_policy("nnunet"), run.model, val, lr=TEA_LR, num_copies=args.copies, **kwargs)
+        updater.attach(run.engine)
+        run.handlers = [updater]
+        run.copies = copies
+        runs[name] = run
+    data = {name: [{**b, "image_cf": b["image_cf"][:, : getattr(r, "copies", 0)],
+                    "label_cf": b["label_cf"][:, : getattr(r, "copies", 0)],
+                    "tra_cf_ops": b["tra_cf_ops"][:, : getattr(r, "copies", 0)]} for b in batches]
+            for name, r in runs.items()}  # fmt: skip
+    times: dict[str, list[float]] = defaultdict(list)
+    order = list(runs)
+    k = 0 if args.clock == "cpu" else 1
+    for r in range(BLOCK * (1 + max(1, math.ceil(args.iterations / BLOCK)))):
+        shift = r % len(order)
+        for name in order[shift:] + order[:shift]:
+            t = runs[name].one(data[name])
+            if r >= BLOCK:  # the first block warms up
+                times[name].append(t[k])
+    for name, run in runs.items():
+        run.finish(data[name])
+    plain = statistics.median(times["plain"])
+    paper = statistics.median(times["TRA gumbel (paper), 1 val batch"]) - plain
+    print(f"\n5. Cost of each estimator option per update ({args.clock} ms; median iteration minus plain's "
+          f"{plain * 1e3:.1f} ms; updates every iteration):")  # fmt: skip
+    for name in OPTIONS:
+        cost = statistics.median(times[name]) - plain
+        print(f"  {name:<34} {cost * 1e3:8.1f} ms/update  {cost / paper:5.2f}x the paper's TRA update"
+              f"   ({runs[name].counts()})")  # fmt: skip
+
+
 def rss_kib() -> tuple[int, int]:
     """(current RSS, peak RSS) of this process in KiB.
 
@@ -399,6 +478,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="clock of the verdicts (both printed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--options", action=argparse.BooleanOptionalAction, default=True,
+                        help="section 5: the cost of each estimator option per update")  # fmt: skip
     args = parser.parse_args()
     clock = CLOCKS[args.clock]
     if args.threads:
@@ -515,6 +596,8 @@ def main() -> None:
     inc_p, inc_j = p["peak_kib"] - p["setup_kib"], j["peak_kib"] - j["setup_kib"]
     if inc_p > 0:
         print(f"  for information: joint N=1 / plain of what training adds over set-up: {inc_j / inc_p:.2f}")
+    if args.options:
+        option_costs(args, init_state, train, val)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
 
 

@@ -261,3 +261,30 @@ def test_fixed_mode_reuses_a_learned_policy_unchanged(tmp_path):
     only_tea = save_policies(tmp_path / "tea_only.json", None, None)
     with pytest.raises(ValueError, match="no TRA policy"):
         AugmentationSetup("fixed", "none", tra_policy_file=only_tea)
+
+
+# ------------------------------------------------------------------------------------------- validation sample
+def test_validation_pool_and_running_average():
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    batches = [lesion_batch(4, seed=20 + i) for i in range(2)]
+
+    def v_of(updater, calls=1):
+        v = None
+        for _ in range(calls):
+            v = updater._validation_gradient()
+        return torch.cat([t.reshape(-1) for t in v.values()])
+
+    policy = make_tra_policy("nnunet", 2)
+    v1 = v_of(TRAPolicyUpdater(policy, net, batches[:1], opt))
+    v2 = v_of(TRAPolicyUpdater(policy, net, batches[1:], opt))
+    pooled = v_of(TRAPolicyUpdater(policy, net, batches, opt, val_batches=2))  # the mean loss of both batches
+    torch.testing.assert_close(pooled, (v1 + v2) / 2, rtol=1e-5, atol=1e-7)
+    averaging = TRAPolicyUpdater(policy, net, batches, opt, val_average=0.25)
+    torch.testing.assert_close(v_of(averaging, calls=2), 0.75 * v1 + 0.25 * v2, rtol=1e-5, atol=1e-7)
+    restored = TRAPolicyUpdater(policy, net, batches, opt, val_average=0.25)
+    restored.load_state_dict(averaging.state_dict())
+    assert restored._v_average.keys() == averaging._v_average.keys()
+    assert "val_gradient_average" not in TRAPolicyUpdater(policy, net, batches, opt).state_dict()
+    with pytest.raises(ValueError, match="val_average"):
+        TRAPolicyUpdater(policy, net, batches, opt, val_average=0.0)

@@ -111,6 +111,7 @@ class AugmentationSetup:
         hypergradient: str = "finite-difference",
         seed: int = 0,
         val_batches: int = 1,
+        val_average: float = 1.0,
         tra_logit_budget: float | None = None,
         tea_logit_budget: float | None = None,
         tea_patches: int = 1,
@@ -124,7 +125,7 @@ class AugmentationSetup:
                 self.tra_policy, model, val_loader, optimizer, lr=tra_lr, update_every=tra_update_every,
                 train_loss=train_loss, val_loss=val_loss, hypergradient=hypergradient,
                 tea_policy=self.tea_policy if self.learn_tea else None, seed=seed, estimator=self.tra_estimator,
-                val_batches=val_batches, logit_budget=tra_logit_budget,
+                val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
             )  # fmt: skip
         if self.learn_tea:
             self.tea_updater = TEAPolicyUpdater(
