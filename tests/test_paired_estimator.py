@@ -288,3 +288,38 @@ def test_validation_pool_and_running_average():
     assert "val_gradient_average" not in TRAPolicyUpdater(policy, net, batches, opt).state_dict()
     with pytest.raises(ValueError, match="val_average"):
         TRAPolicyUpdater(policy, net, batches, opt, val_average=0.0)
+
+
+# ------------------------------------------------------------------------------------------- the shift's answer
+def test_dataset_metadata_names_the_ops_that_undo_each_shift(tmp_path):
+    import json
+
+    from jcsaug.data.synthetic import TARGET_SHIFTS, make_synthetic_dataset, shift_undoing_ops, synthesize_case
+    from jcsaug.policy import make_tea_policy
+
+    tea_names = set(make_tea_policy().op_names[0])
+    by_series = {s.name: s for s in TRA_SERIES}
+    for shift in TARGET_SHIFTS.values():
+        undone = shift_undoing_ops(shift)
+        for entry in undone["tra"]:  # every named op exists in the catalogues
+            assert entry["op"] in by_series[entry["series"]].op_names
+        assert all(name in tea_names for aspect in undone["tea"] for name in aspect)
+    default = shift_undoing_ops(TARGET_SHIFTS["default"])
+    assert {"series": "rotate_frontal", "op": "rot90"} in default["tra"]
+    assert ["rotate_frontal_acw_90", "rotate_frontal_cw_90"] in default["tea"]
+    other = shift_undoing_ops(TARGET_SHIFTS["rotate-longitudinal"])
+    assert other["tra"][0] == {"series": "rotate_longitudinal", "op": "rot90"}
+    assert other["tea"][-1] == ["gamma_expand_0.5"]  # a power below 1 is undone by the expanding gamma
+
+    path = make_synthetic_dataset(tmp_path / "d", 1, 1, 1, shape=(24, 24, 24), target_shift="rotate-longitudinal",
+                                  progress=False)  # fmt: skip
+    meta = json.loads(path.read_text())["domain_shift"]
+    assert meta["name"] == "rotate-longitudinal" and meta["undone_by"] == other
+    _, label = synthesize_case(np.random.default_rng(0), (32, 32, 32), TARGET_SHIFTS["rotate-longitudinal"])
+    from scipy import ndimage
+
+    pieces, n = ndimage.label(label)
+    long_axes = [int(np.argmax(np.var(np.nonzero(pieces == i), axis=1))) for i in range(1, n + 1)]
+    assert max(set(long_axes), key=long_axes.count) == 1  # the lesions now lie along array axis 1
+    with pytest.raises(ValueError, match="target_shift"):
+        make_synthetic_dataset(tmp_path / "e", 1, 1, 1, shape=(24, 24, 24), target_shift="nope", progress=False)

@@ -98,10 +98,11 @@ def _describe(target: Mapping) -> str:
 def shift_undoing_ops(target: Mapping, source: Mapping = _DOMAINS["source"]) -> dict:
     """The TRA and TEA ops of the catalogues (SPEC §2-3) that undo a target domain's shift, by name.
 
-    TRA ops make a source patch look like the target (``{"series", "op"}``, one per aspect of the shift); TEA ops
-    map a target image back to the source (per aspect, the list of TEA op names that each undo it, e.g. both
-    quarter turns). Read by the learning-quality benchmark from ``dataset.json`` (its oracle sets the TRA ops by
-    hand; it reports the learned probabilities of both), never by the learning itself.
+    TRA ops make a source patch look like the target (``{"series", "op"}``, one per aspect of the shift; the gamma
+    op is marked ``"partial"``: its sign is drawn, so half of its draws reproduce the shift and half go the other
+    way); TEA ops map a target image back to the source (per aspect, the list of TEA op names that each undo it,
+    e.g. both quarter turns). Read by the learning-quality benchmark from ``dataset.json`` (its oracle sets the
+    TRA ops by hand; it reports the learned probabilities of both), never by the learning itself.
     """
     tra: list[dict[str, str]] = []
     tea: list[list[str]] = []
@@ -116,7 +117,7 @@ def shift_undoing_ops(target: Mapping, source: Mapping = _DOMAINS["source"]) -> 
         power = sum(target["gamma"]) / 2.0  # target = rescaled source ** power
         magnitude = power - 1.0 if power >= 1.0 else 1.0 / power - 1.0  # the ops' (1 + M) ** ±1
         low = min(int(magnitude / 0.2), 2) * 0.2
-        tra.append({"series": "gamma", "op": f"gamma±[{low:g},{low + 0.2:g})"})
+        tra.append({"series": "gamma", "op": f"gamma±[{low:g},{low + 0.2:g})", "partial": True})
         nearest = min((0.1, 0.3, 0.5), key=lambda m: abs(m - magnitude))
         tea.append([f"gamma_{'compress' if power >= 1.0 else 'expand'}_{nearest:g}"])
     return {"tra": tra, "tea": tea}
