@@ -7,6 +7,7 @@ from jcsaug.engine.checkpoints import (
     load_checkpoint,
     save_checkpoint_atomic,
 )
+from jcsaug.engine.device_augmentation import DeviceAugmentation
 from jcsaug.engine.distributed import release_ddp, shutdown_distributed
 from jcsaug.engine.export import PolicyExporter
 from jcsaug.engine.hypergradient import (
@@ -31,6 +32,7 @@ __all__ = [
     "TEA_MODES",
     "TRA_MODES",
     "AugmentationSetup",
+    "DeviceAugmentation",
     "EpochReseeder",
     "ResumeCheckpoint",
     "StopAfterEpochs",

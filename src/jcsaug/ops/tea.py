@@ -336,13 +336,17 @@ def apply_tea_ops(ops: Sequence[TEAOp], x: torch.Tensor, what: str = "image") ->
     back: inverse spatial ops, bilinear, border padding). The affine ops of all rows go through one
     ``grid_sample`` call with their cached grids; mirrors and 90-degree rotations are exact index ops;
     intensity ops are vectorised over the rows of each kind. Returns one tensor per row (90-degree rotations
-    of non-cubic volumes change shapes).
+    of non-cubic volumes change shapes). Ops of a user's own catalogue (objects with ``transform_image``,
+    ``transform_label`` and ``invert`` rather than :class:`TEAOp` s) are applied row by row.
     """
     if what not in _WHAT:
         raise ValueError(f"what must be one of {_WHAT}, got {what!r}")
     x = _plain(x)
     if x.ndim != 5 or x.shape[0] != len(ops):
         raise ValueError(f"expected one [C, X, Y, Z] row per op ({len(ops)} ops), got shape {tuple(x.shape)}")
+    if not all(isinstance(op, TEAOp) for op in ops):
+        method = {"image": "transform_image", "label": "transform_label", "invert": "invert"}[what]
+        return [getattr(op, method)(row) for op, row in zip(ops, x.unbind(0))]
     if what == "image":
         x = x if x.is_floating_point() else x.float()
         intensity_ops = [op if not op.is_spatial else TEA_OPS[0] for op in ops]
@@ -351,6 +355,22 @@ def apply_tea_ops(ops: Sequence[TEAOp], x: torch.Tensor, what: str = "image") ->
     if not any(op.is_spatial for op in ops):
         return list(x.unbind(0))
     return _spatial_rows(ops, x, what)
+
+
+def apply_tea_ops_by_shape(
+    ops: Sequence[TEAOp], rows: Sequence[torch.Tensor], what: str = "image"
+) -> list[torch.Tensor]:
+    """:func:`apply_tea_ops` on rows ``[C, X, Y, Z]`` that may differ in shape: one batched call per shape."""
+    if len(ops) != len(rows):
+        raise ValueError(f"{len(ops)} ops for {len(rows)} rows")
+    by_shape: dict[tuple, list[int]] = {}
+    for k, row in enumerate(rows):
+        by_shape.setdefault(tuple(row.shape), []).append(k)
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    for idx in by_shape.values():
+        for k, y in zip(idx, apply_tea_ops([ops[k] for k in idx], torch.stack([_plain(rows[k]) for k in idx]), what)):
+            out[k] = y
+    return out  # type: ignore[return-value]
 
 
 def _one_op(op: TEAOp, x: torch.Tensor, what: str) -> torch.Tensor:
