@@ -8,7 +8,7 @@ from jcsaug.engine.checkpoints import (
     save_checkpoint_atomic,
 )
 from jcsaug.engine.device_augmentation import DeviceAugmentation
-from jcsaug.engine.distributed import release_ddp, shutdown_distributed
+from jcsaug.engine.distributed import rank_device, release_ddp, shutdown_distributed
 from jcsaug.engine.export import PolicyExporter
 from jcsaug.engine.hypergradient import (
     finite_difference_hypergradient,
@@ -45,6 +45,7 @@ __all__ = [
     "latest_checkpoint",
     "learn_tea_posthoc",
     "normalise_hypergradient",
+    "rank_device",
     "release_ddp",
     "shutdown_distributed",
 ]
