@@ -123,7 +123,9 @@ def _params(n: int, seed: int, policy_preset: str = "uniform") -> list[TRAParams
 def test_batched_cascade_equals_per_sample_on_the_same_params() -> None:
     params = _params(12, seed=3)
     img, lab = _rand(12, 1, 12, 12, 12), (_rand(12, 1, 12, 12, 12, seed=4) * 3).floor().to(torch.uint8)
+    before = (img.clone(), lab.clone())
     bi, bl = apply_tra_batch({"image": img}, {"label": lab}, params)
+    assert torch.equal(img, before[0]) and torch.equal(lab, before[1])  # the caller's batch is never written
     assert bl["label"].dtype == torch.uint8
     for i, p in enumerate(params):
         si, sl = apply_tra({"image": img[i]}, {"label": lab[i]}, p)
@@ -134,7 +136,9 @@ def test_batched_cascade_equals_per_sample_on_the_same_params() -> None:
 def test_identity_samples_are_returned_bit_for_bit() -> None:
     params = [TRAParams(), TRAParams(scale=1.3, gamma=1.2, flip_axes=[1], noise_std=0.1, blur_sigma=0.6), TRAParams()]
     img, lab = _rand(3, 1, 10, 10, 10), (_rand(3, 1, 10, 10, 10, seed=1) > 0.5).float()
-    oi, ol = apply_tra_batch({"image": img}, {"label": lab}, params)
+    before = (img.clone(), lab.clone())
+    oi, ol = apply_tra_batch({"image": MetaTensor(img)}, {"label": lab}, params)
+    assert torch.equal(img, before[0]) and torch.equal(lab, before[1])
     for i in (0, 2):
         assert torch.equal(oi["image"][i], img[i]) and torch.equal(ol["label"][i], lab[i])
     assert not torch.equal(oi["image"][1], img[1])

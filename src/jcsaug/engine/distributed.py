@@ -50,6 +50,7 @@ def rank_device(accelerator: str = "auto", local_rank: int | None = None) -> tor
         )
     return torch.device(f"cuda:{local_rank}")
 
+
 _DDP_GROUP_HOLDERS = ("reducer", "logger")
 
 

@@ -85,16 +85,17 @@ def low_resolution(x: torch.Tensor, zoom: Sequence[float]) -> torch.Tensor:
     return torch.cat(out)
 
 
-def select(x: torch.Tensor, mask: torch.Tensor, fn, *params) -> torch.Tensor:  # noqa: ANN001
+def select(x: torch.Tensor, mask: torch.Tensor, fn, *params, inplace: bool = False) -> torch.Tensor:  # noqa: ANN001
     """Apply ``fn(x[mask], *params[mask])`` to the samples where ``mask`` is set, leaving the others untouched
-    (bit for bit); ``params`` are per-sample sequences or tensors. Returns ``x`` itself when no sample is set."""
+    (bit for bit); ``params`` are per-sample sequences or tensors. Returns ``x`` itself when no sample is set.
+    ``inplace`` writes the selected samples' results into ``x`` (which the caller owns) instead of a copy."""
     idx = torch.nonzero(torch.as_tensor(mask, device="cpu")).flatten()
     if idx.numel() == 0:
         return x
     picked = [[p[int(i)] for i in idx] if not isinstance(p, torch.Tensor) else p[idx.to(p.device)] for p in params]
     if idx.numel() == x.shape[0]:
         return fn(x, *picked)
-    out = x.clone()
+    out = x if inplace else x.clone()
     dev_idx = idx.to(x.device)
     out[dev_idx] = fn(x[dev_idx], *picked)
     return out

@@ -237,19 +237,18 @@ def _as_plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_tensor() if hasattr(x, "as_tensor") else x
 
 
-def _per_sample_rot90(x: torch.Tensor, params: Sequence[TRAParams]) -> torch.Tensor:
+def _per_sample_rot90(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.Tensor:
     """90-degree rotations, an index op per rotated sample (a quarter turn of a non-square plane becomes a half
     turn: it would change the patch shape, e.g. of 128x128x8 cardiac patches, and break batching)."""
-    out = None
     for i, p in enumerate(params):
         for axis, k in p.rot90:
             a, b = rotation_plane(axis)
             if x.shape[a + 2] != x.shape[b + 2]:
                 k = 2
-            if out is None:
-                out = x.clone()
-            out[i] = torch.rot90(out[i], k, dims=(a + 1, b + 1))
-    return x if out is None else out
+            if not owned:
+                x, owned = x.clone(), True
+            x[i] = torch.rot90(x[i], k, dims=(a + 1, b + 1))
+    return x
 
 
 def _spatial(
@@ -261,6 +260,7 @@ def _spatial(
     is_label: bool,
     padding_mode: str,
     grids: dict,
+    owned: bool,
 ) -> torch.Tensor:
     """Spatial part of the cascade: affine (one resampling for the whole batch) -> 90-degree rotations."""
     if matrices is not None:
@@ -274,18 +274,20 @@ def _spatial(
         else:
             grid = None
         mode = "nearest" if is_label else "bilinear"
-        x = intensity.select(x, affine_mask, lambda t: _affine_resample(t, matrices, mode, padding_mode, grid))
-    return _per_sample_rot90(x, params)
+        x = intensity.select(
+            x, affine_mask, lambda t: _affine_resample(t, matrices, mode, padding_mode, grid), inplace=owned
+        )
+    return _per_sample_rot90(x, params, owned)
 
 
-def _flips(x: torch.Tensor, params: Sequence[TRAParams]) -> torch.Tensor:
+def _flips(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.Tensor:
     for axis in range(3):
         mask = torch.tensor([axis in p.flip_axes for p in params])
-        x = intensity.select(x, mask, partial(torch.flip, dims=[axis + 2]))
+        x = intensity.select(x, mask, partial(torch.flip, dims=[axis + 2]), inplace=owned)
     return x
 
 
-def _intensity(x: torch.Tensor, params: Sequence[TRAParams]) -> torch.Tensor:
+def _intensity(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.Tensor:
     """Intensity part of the cascade, in the reference order:
     noise -> blur/sharpen -> shift/scale -> contrast -> low resolution -> inverted gamma -> gamma."""
 
@@ -295,23 +297,26 @@ def _intensity(x: torch.Tensor, params: Sequence[TRAParams]) -> torch.Tensor:
     def mask(values: list, identity: float) -> torch.Tensor:
         return torch.tensor([v != identity for v in values])
 
+    def select(*args) -> torch.Tensor:  # noqa: ANN002
+        return intensity.select(*args, inplace=owned)
+
     noise, seeds = column("noise_std"), column("noise_seed")
-    x = intensity.select(x, mask(noise, 0.0), intensity.add_noise, noise, seeds)
+    x = select(x, mask(noise, 0.0), intensity.add_noise, noise, seeds)
     blur, sharpen = column("blur_sigma"), column("sharpen_sigma")
-    x = intensity.select(x, mask(blur, 0.0), filters.gaussian_blur_batch, blur)
-    x = intensity.select(x, mask(sharpen, 0.0), filters.log_sharpen_batch, sharpen)
+    x = select(x, mask(blur, 0.0), filters.gaussian_blur_batch, blur)
+    x = select(x, mask(sharpen, 0.0), filters.log_sharpen_batch, sharpen)
     shift = column("shift")
-    x = intensity.select(x, mask(shift, 0.0), intensity.shift, torch.tensor(shift))
+    x = select(x, mask(shift, 0.0), intensity.shift, torch.tensor(shift))
     factor = column("intensity_factor")
-    x = intensity.select(x, mask(factor, 1.0), intensity.scale, torch.tensor(factor))
+    x = select(x, mask(factor, 1.0), intensity.scale, torch.tensor(factor))
     contrast = column("contrast_factor")
-    x = intensity.select(x, mask(contrast, 1.0), intensity.contrast, torch.tensor(contrast))
+    x = select(x, mask(contrast, 1.0), intensity.contrast, torch.tensor(contrast))
     zoom = column("lowres_zoom")
-    x = intensity.select(x, mask(zoom, 1.0), intensity.low_resolution, zoom)
+    x = select(x, mask(zoom, 1.0), intensity.low_resolution, zoom)
     inverted = column("inverted_gamma")
-    x = intensity.select(x, mask(inverted, 1.0), intensity.inverted_gamma, torch.tensor(inverted))
+    x = select(x, mask(inverted, 1.0), intensity.inverted_gamma, torch.tensor(inverted))
     gammas = column("gamma")
-    return intensity.select(x, mask(gammas, 1.0), intensity.gamma, torch.tensor(gammas))
+    return select(x, mask(gammas, 1.0), intensity.gamma, torch.tensor(gammas))
 
 
 def apply_tra_batch(
@@ -338,15 +343,18 @@ def apply_tra_batch(
         if img.shape[0] != len(params):
             raise ValueError(f"key {key!r} holds {img.shape[0]} samples but {len(params)} TRA params were given")
         x = _as_plain(img)
-        x = x if x.is_floating_point() else x.float()
-        x = _spatial(x, params, matrices, affine_mask, is_label=False, padding_mode=padding_mode, grids=grids)
-        out_images[key] = _flips(_intensity(x, params), params)
+        owned = x.shape[0] > 1  # a batch: one copy, then every op writes its samples in place
+        x = (x.clone() if owned else x) if x.is_floating_point() else x.float()
+        x = _spatial(x, params, matrices, affine_mask, is_label=False, padding_mode=padding_mode, grids=grids,
+                     owned=owned)  # fmt: skip
+        out_images[key] = _flips(_intensity(x, params, owned), params, owned)
     for key, lab in labels.items():
         _check_3d(lab, key, batched=True)
         x = _as_plain(lab)
-        dtype = x.dtype
-        x = _spatial(x.float(), params, matrices, affine_mask, is_label=True, padding_mode="zeros", grids=grids)
-        out_labels[key] = _flips(x, params).to(dtype)
+        dtype, owned = x.dtype, x.shape[0] > 1
+        x = x.float().clone() if owned and x.dtype == torch.float32 else x.float()
+        x = _spatial(x, params, matrices, affine_mask, is_label=True, padding_mode="zeros", grids=grids, owned=owned)
+        out_labels[key] = _flips(x, params, owned).to(dtype)
     return out_images, out_labels
 
 
