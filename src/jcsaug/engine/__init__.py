@@ -7,7 +7,7 @@ from jcsaug.engine.checkpoints import (
     load_checkpoint,
     save_checkpoint_atomic,
 )
-from jcsaug.engine.device_augmentation import DeviceAugmentation
+from jcsaug.engine.device_augmentation import AUGMENT_ON, DeviceAugmentation, resolve_augment_on
 from jcsaug.engine.distributed import rank_device, release_ddp, shutdown_distributed
 from jcsaug.engine.export import PolicyExporter
 from jcsaug.engine.hypergradient import (
@@ -23,6 +23,8 @@ from jcsaug.engine.tea_updater import TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRAPolicyUpdater
 
 __all__ = [
+    "AUGMENT_ON",
+    "resolve_augment_on",
     "SegmentationLoss",
     "AtomicCheckpointSaver",
     "SafeCheckpointLoader",

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import torch
 from ignite.engine import Engine, Events
 
 from jcsaug.engine.base import as_batch
+
+AUGMENT_ON = ("auto", "worker", "device")
+
+
+def resolve_augment_on(setting: str, device: torch.device | str) -> str:
+    """Where a bundle runs its TRA cascade: ``"worker"`` (per sample, in the DataLoader workers) or ``"device"``
+    (per batch, on the training device); ``"auto"`` picks ``"device"`` when that device is a GPU."""
+    if setting not in AUGMENT_ON:
+        raise ValueError(f"augment_on must be one of {AUGMENT_ON}, got {setting!r}")
+    if setting == "auto":
+        return "device" if torch.device(device).type == "cuda" else "worker"
+    return setting
 
 
 class DeviceAugmentation:
