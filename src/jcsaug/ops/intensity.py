@@ -85,17 +85,20 @@ def low_resolution(x: torch.Tensor, zoom: Sequence[float]) -> torch.Tensor:
     return torch.cat(out)
 
 
-def select(x: torch.Tensor, mask: torch.Tensor, fn, *params, inplace: bool = False) -> torch.Tensor:  # noqa: ANN001
-    """Apply ``fn(x[mask], *params[mask])`` to the samples where ``mask`` is set, leaving the others untouched
-    (bit for bit); ``params`` are per-sample sequences or tensors. Returns ``x`` itself when no sample is set.
-    ``inplace`` writes the selected samples' results into ``x`` (which the caller owns) instead of a copy."""
-    idx = torch.nonzero(torch.as_tensor(mask, device="cpu")).flatten()
-    if idx.numel() == 0:
+def select(x: torch.Tensor, mask, fn, *params, inplace: bool = False) -> torch.Tensor:  # noqa: ANN001
+    """Apply ``fn(x[mask], *params[mask])`` to the samples where ``mask`` (a sequence of bools or a bool tensor)
+    is set, leaving the others untouched (bit for bit); ``params`` are per-sample sequences or tensors. Returns
+    ``x`` itself when no sample is set. ``inplace`` writes the selected samples' results into ``x`` (which the
+    caller owns) instead of a copy."""
+    flags = mask.tolist() if isinstance(mask, torch.Tensor) else mask
+    idx = [i for i, m in enumerate(flags) if m]
+    if not idx:
         return x
-    picked = [[p[int(i)] for i in idx] if not isinstance(p, torch.Tensor) else p[idx.to(p.device)] for p in params]
-    if idx.numel() == x.shape[0]:
-        return fn(x, *picked)
+    if len(idx) == x.shape[0]:
+        return fn(x, *params)
+    picked = [p[torch.tensor(idx, device=p.device)] if isinstance(p, torch.Tensor) else [p[i] for i in idx]
+              for p in params]  # fmt: skip
     out = x if inplace else x.clone()
-    dev_idx = idx.to(x.device)
+    dev_idx = torch.tensor(idx, device=x.device)
     out[dev_idx] = fn(x[dev_idx], *picked)
     return out

@@ -308,8 +308,8 @@ def _intensity_rows(ops: Sequence[TEAOp], x: torch.Tensor) -> torch.Tensor:
     """The intensity part of ``ops[k]`` on row ``x[k]`` (a [C, X, Y, Z] sample), vectorised per op kind."""
     kinds = [op.kind for op in ops]
 
-    def rows(*wanted: str) -> torch.Tensor:
-        return torch.tensor([k in wanted for k in kinds])
+    def rows(*wanted: str) -> list[bool]:
+        return [k in wanted for k in kinds]
 
     def factor(op: TEAOp) -> float:
         return (1.0 + op.magnitude) ** op.sign
@@ -319,8 +319,8 @@ def _intensity_rows(ops: Sequence[TEAOp], x: torch.Tensor) -> torch.Tensor:
     sigma = [op.magnitude for op in ops]
     x = intensity.select(x, rows("blur"), filters.gaussian_blur_batch, sigma)
     x = intensity.select(x, rows("sharpen"), filters.log_sharpen_batch, sigma)
-    x = intensity.select(x, rows("shift"), intensity.shift, torch.tensor([op.sign * op.magnitude for op in ops]))
-    factors = torch.tensor([factor(op) for op in ops])
+    x = intensity.select(x, rows("shift"), intensity.shift, [op.sign * op.magnitude for op in ops])
+    factors = [factor(op) for op in ops]
     x = intensity.select(x, rows("intensity_scale"), intensity.scale, factors)
     x = intensity.select(x, rows("contrast"), intensity.contrast, factors)
     x = intensity.select(x, rows("low_resolution"), intensity.low_resolution, sigma)

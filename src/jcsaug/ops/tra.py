@@ -255,7 +255,7 @@ def _spatial(
     x: torch.Tensor,
     params: Sequence[TRAParams],
     matrices: torch.Tensor | None,
-    affine_mask: torch.Tensor,
+    affine_mask: list[bool],
     *,
     is_label: bool,
     padding_mode: str,
@@ -282,7 +282,7 @@ def _spatial(
 
 def _flips(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.Tensor:
     for axis in range(3):
-        mask = torch.tensor([axis in p.flip_axes for p in params])
+        mask = [axis in p.flip_axes for p in params]
         x = intensity.select(x, mask, partial(torch.flip, dims=[axis + 2]), inplace=owned)
     return x
 
@@ -294,8 +294,8 @@ def _intensity(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> tor
     def column(name: str) -> list:
         return [getattr(p, name) for p in params]
 
-    def mask(values: list, identity: float) -> torch.Tensor:
-        return torch.tensor([v != identity for v in values])
+    def mask(values: list, identity: float) -> list[bool]:
+        return [v != identity for v in values]
 
     def select(*args) -> torch.Tensor:  # noqa: ANN002
         return intensity.select(*args, inplace=owned)
@@ -306,17 +306,17 @@ def _intensity(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> tor
     x = select(x, mask(blur, 0.0), filters.gaussian_blur_batch, blur)
     x = select(x, mask(sharpen, 0.0), filters.log_sharpen_batch, sharpen)
     shift = column("shift")
-    x = select(x, mask(shift, 0.0), intensity.shift, torch.tensor(shift))
+    x = select(x, mask(shift, 0.0), intensity.shift, shift)
     factor = column("intensity_factor")
-    x = select(x, mask(factor, 1.0), intensity.scale, torch.tensor(factor))
+    x = select(x, mask(factor, 1.0), intensity.scale, factor)
     contrast = column("contrast_factor")
-    x = select(x, mask(contrast, 1.0), intensity.contrast, torch.tensor(contrast))
+    x = select(x, mask(contrast, 1.0), intensity.contrast, contrast)
     zoom = column("lowres_zoom")
     x = select(x, mask(zoom, 1.0), intensity.low_resolution, zoom)
     inverted = column("inverted_gamma")
-    x = select(x, mask(inverted, 1.0), intensity.inverted_gamma, torch.tensor(inverted))
+    x = select(x, mask(inverted, 1.0), intensity.inverted_gamma, inverted)
     gammas = column("gamma")
-    return select(x, mask(gammas, 1.0), intensity.gamma, torch.tensor(gammas))
+    return select(x, mask(gammas, 1.0), intensity.gamma, gammas)
 
 
 def apply_tra_batch(
@@ -334,8 +334,8 @@ def apply_tra_batch(
     are all identities comes out bit for bit unchanged.
     """
     params = list(params)
-    affine_mask = torch.tensor([p.needs_affine for p in params], dtype=torch.bool)
-    matrices = torch.stack([affine_matrix(p) for p, m in zip(params, affine_mask) if m]) if affine_mask.any() else None
+    affine_mask = [p.needs_affine for p in params]
+    matrices = torch.stack([affine_matrix(p) for p, m in zip(params, affine_mask) if m]) if any(affine_mask) else None
     grids: dict = {}
     out_images, out_labels = {}, {}
     for key, img in images.items():
