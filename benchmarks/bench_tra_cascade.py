@@ -154,16 +154,23 @@ def make_monai_nnunet() -> Compose:
                 mode=("bilinear", "nearest"), padding_mode="zeros",
             ),
             RandZoomd(KEYS, prob=0.2, min_zoom=0.7, max_zoom=1.4, mode=("trilinear", "nearest"), keep_size=True),
-            RandGaussianNoised("image", prob=0.1, mean=0.0, std=0.1),
-            RandGaussianSmoothd("image", sigma_x=(0.5, 1.0), sigma_y=(0.5, 1.0), sigma_z=(0.5, 1.0), prob=0.2),
-            RandScaleIntensityd("image", factors=0.25, prob=0.15),
-            RandAdjustContrastd("image", prob=0.3, gamma=(0.7, 1.5)),
-            RandSimulateLowResolutiond("image", prob=0.25, zoom_range=(0.5, 1.0)),
-            RandFlipd(KEYS, prob=0.5, spatial_axis=0),
-            RandFlipd(KEYS, prob=0.5, spatial_axis=1),
-            RandFlipd(KEYS, prob=0.5, spatial_axis=2),
+            *monai_nnunet_intensity_and_flips(),
         ]
     )  # fmt: skip
+
+
+def monai_nnunet_intensity_and_flips() -> list:
+    """nnU-Net's intensity augmentation and mirroring with its probabilities, as MONAI dictionary transforms."""
+    return [
+        RandGaussianNoised("image", prob=0.1, mean=0.0, std=0.1),
+        RandGaussianSmoothd("image", sigma_x=(0.5, 1.0), sigma_y=(0.5, 1.0), sigma_z=(0.5, 1.0), prob=0.2),
+        RandScaleIntensityd("image", factors=0.25, prob=0.15),
+        RandAdjustContrastd("image", prob=0.3, gamma=(0.7, 1.5)),
+        RandSimulateLowResolutiond("image", prob=0.25, zoom_range=(0.5, 1.0)),
+        RandFlipd(KEYS, prob=0.5, spatial_axis=0),
+        RandFlipd(KEYS, prob=0.5, spatial_axis=1),
+        RandFlipd(KEYS, prob=0.5, spatial_axis=2),
+    ]
 
 
 def make_torchio_nnunet():

@@ -287,36 +287,29 @@ def _flips(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.T
     return x
 
 
+#: the intensity ops after the noise, in the reference order: (TRAParams field, its identity value, batched op)
+_INTENSITY_STEPS = (
+    ("blur_sigma", 0.0, filters.gaussian_blur_batch),
+    ("sharpen_sigma", 0.0, filters.log_sharpen_batch),
+    ("shift", 0.0, intensity.shift),
+    ("intensity_factor", 1.0, intensity.scale),
+    ("contrast_factor", 1.0, intensity.contrast),
+    ("lowres_zoom", 1.0, intensity.low_resolution),
+    ("inverted_gamma", 1.0, intensity.inverted_gamma),
+    ("gamma", 1.0, intensity.gamma),
+)
+
+
 def _intensity(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.Tensor:
     """Intensity part of the cascade, in the reference order:
-    noise -> blur/sharpen -> shift/scale -> contrast -> low resolution -> inverted gamma -> gamma."""
-
-    def column(name: str) -> list:
-        return [getattr(p, name) for p in params]
-
-    def mask(values: list, identity: float) -> list[bool]:
-        return [v != identity for v in values]
-
-    def select(*args) -> torch.Tensor:  # noqa: ANN002
-        return intensity.select(*args, inplace=owned)
-
-    noise, seeds = column("noise_std"), column("noise_seed")
-    x = select(x, mask(noise, 0.0), intensity.add_noise, noise, seeds)
-    blur, sharpen = column("blur_sigma"), column("sharpen_sigma")
-    x = select(x, mask(blur, 0.0), filters.gaussian_blur_batch, blur)
-    x = select(x, mask(sharpen, 0.0), filters.log_sharpen_batch, sharpen)
-    shift = column("shift")
-    x = select(x, mask(shift, 0.0), intensity.shift, shift)
-    factor = column("intensity_factor")
-    x = select(x, mask(factor, 1.0), intensity.scale, factor)
-    contrast = column("contrast_factor")
-    x = select(x, mask(contrast, 1.0), intensity.contrast, contrast)
-    zoom = column("lowres_zoom")
-    x = select(x, mask(zoom, 1.0), intensity.low_resolution, zoom)
-    inverted = column("inverted_gamma")
-    x = select(x, mask(inverted, 1.0), intensity.inverted_gamma, inverted)
-    gammas = column("gamma")
-    return select(x, mask(gammas, 1.0), intensity.gamma, gammas)
+    noise -> blur/sharpen -> shift/scale -> contrast -> low resolution -> inverted gamma -> gamma.
+    Each op runs on the samples that drew it (all at once); the others are left untouched."""
+    noise, seeds = [p.noise_std for p in params], [p.noise_seed for p in params]
+    x = intensity.select(x, [v != 0.0 for v in noise], intensity.add_noise, noise, seeds, inplace=owned)
+    for name, identity, op in _INTENSITY_STEPS:
+        values = [getattr(p, name) for p in params]
+        x = intensity.select(x, [v != identity for v in values], op, values, inplace=owned)
+    return x
 
 
 def apply_tra_batch(

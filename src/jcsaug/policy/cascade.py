@@ -95,7 +95,7 @@ class TRACascaded(Randomizable, MapTransform):
         return d
 
 
-class BatchTRACascaded(Randomizable, MapTransform):
+class BatchTRACascaded(TRACascaded):
     """:class:`TRACascaded` on a collated batch ``[B, C, X, Y, Z]``, on the device its tensors are on.
 
     Put it after the DataLoader (e.g. :class:`jcsaug.engine.DeviceAugmentation` runs it on every training
@@ -129,13 +129,7 @@ class BatchTRACascaded(Randomizable, MapTransform):
         device: torch.device | str | None = None,
         allow_missing_keys: bool = False,
     ) -> None:
-        MapTransform.__init__(self, keys, allow_missing_keys)
-        _check_tra_policy(policy, type(self).__name__)
-        self.policy = policy
-        self.label_keys = [label_keys] if isinstance(label_keys, str) else list(label_keys)
-        self.group_key = group_key
-        self.op_key = op_key
-        self.padding_mode = padding_mode
+        super().__init__(keys, policy, label_keys, group_key, op_key, padding_mode, allow_missing_keys)
         self.device = None if device is None else torch.device(device)
 
     def _groups(self, d: Mapping, batch: int) -> list[int]:
