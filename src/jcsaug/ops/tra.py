@@ -321,8 +321,9 @@ def apply_tra_batch(
     """Apply each sample's drawn TRA params to a batch, on the device the tensors are on.
 
     Inputs are ``[B, C, X, Y, Z]`` (MetaTensors are read as plain tensors), sample ``i`` gets ``params[i]``;
-    returns plain tensors. All samples' affines go through one resampling per key (image bilinear, label
-    nearest, see :func:`jcsaug.ops.resample.resample`); 90-degree rotations and mirrors are index ops;
+    returns plain tensors: images as float32, labels in their own dtype. All samples' affines go through one
+    resampling per key (image bilinear, label nearest, see :func:`jcsaug.ops.resample.resample`); 90-degree
+    rotations and mirrors are index ops;
     intensity ops run on the samples that drew them, vectorised over those samples. A sample whose ops
     are all identities comes out bit for bit unchanged.
     """
@@ -336,8 +337,8 @@ def apply_tra_batch(
         if img.shape[0] != len(params):
             raise ValueError(f"key {key!r} holds {img.shape[0]} samples but {len(params)} TRA params were given")
         x = _as_plain(img)
-        owned = x.shape[0] > 1  # a batch: one copy, then every op writes its samples in place
-        x = (x.clone() if owned else x) if x.is_floating_point() else x.float()
+        owned = x.shape[0] > 1  # a batch: one float32 copy, then every op writes its samples in place
+        x = x.float().clone() if owned and x.dtype == torch.float32 else x.float()
         x = _spatial(x, params, matrices, affine_mask, is_label=False, padding_mode=padding_mode, grids=grids,
                      owned=owned)  # fmt: skip
         out_images[key] = _flips(_intensity(x, params, owned), params, owned)
