@@ -6,6 +6,7 @@ loaded machine)::
     python benchmarks/bench_policy_learning.py
     # defaults: --iterations 30 --batch 8 --patch 32 --copies 4 --threads <torch default> --clock wall --seed 0
     python benchmarks/bench_policy_learning.py --threads 1 --clock cpu   # on a shared, busy machine
+    python benchmarks/bench_policy_learning.py --device cuda             # model, batches and updates on a GPU
 
 Setting: the default bundle's network (MONAI ``UNet`` channels [16, 32, 64], strides [2, 2],
 ``num_res_units=1``, instance norm), SGD lr 0.01 momentum 0.99 Nesterov, ``DiceCELoss``; training batches
@@ -124,6 +125,20 @@ def _patch(rng: np.random.RandomState, p: int, centred: bool) -> tuple[torch.Ten
     return torch.from_numpy(image)[None], torch.from_numpy(label)[None]
 
 
+#: where the models, the batches and hence the policy updates' passes run (``--device``); policies stay on the CPU
+DEVICE = torch.device("cpu")
+
+
+def sync() -> None:
+    """Wait for the device's queued work, so that the clocks see it (a no-op on the CPU)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+def to_device(batches: list[dict]) -> list[dict]:
+    return [{k: v.to(DEVICE) if k in ("image", "label") else v for k, v in b.items()} for b in batches]
+
+
 def make_batches(num: int, batch: int, p: int, seed: int, policy: CategoricalPolicy | None) -> list[dict]:
     """``num`` dictionary batches; half the patches lesion-centred (class group 1), half not (group 0)."""
     rng = np.random.RandomState(seed)
@@ -147,7 +162,7 @@ class Run:
     """One configuration: its own model (same initial weights for all), SGD, engine and handlers."""
 
     def __init__(self, update_every: int | None, init_state: dict, val_batches: list[dict], copies: int, seed: int):
-        self.model = make_model()
+        self.model = make_model().to(DEVICE)
         self.model.load_state_dict(init_state)
         self.init_state = {k: v.clone() for k, v in init_state.items()}
         params = self.model.parameters()
@@ -182,8 +197,10 @@ class Run:
     def block(self, batches: list[dict]) -> tuple[float, float]:
         """Reset, then run one epoch over ``batches`` (a fresh engine run); returns (cpu, wall) seconds."""
         self.reset()
+        sync()
         c0, w0 = time.process_time(), time.perf_counter()
         self.engine.run(batches, max_epochs=1)
+        sync()
         return time.process_time() - c0, time.perf_counter() - w0
 
     def one(self, batches: list[dict]) -> tuple[float, float]:
@@ -192,8 +209,10 @@ class Run:
         if not self._interrupting:
             self.engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e: e.interrupt())
             self._interrupting = True
+        sync()
         c0, w0 = time.process_time(), time.perf_counter()
         self.engine.run(batches, max_epochs=10**6)
+        sync()
         return time.process_time() - c0, time.perf_counter() - w0
 
     def finish(self, batches: list[dict]) -> None:
@@ -217,15 +236,15 @@ def setup(args: argparse.Namespace) -> tuple[dict, list[dict], list[dict]]:
     torch.manual_seed(args.seed)
     init_state = make_model().state_dict()
     policy = make_tra_policy("nnunet", 2)
-    train = make_batches(BLOCK, args.batch, args.patch, args.seed, policy)
-    val = make_batches(4, args.batch, args.patch, args.seed + 1, None)
+    train = to_device(make_batches(BLOCK, args.batch, args.patch, args.seed, policy))
+    val = to_device(make_batches(4, args.batch, args.patch, args.seed + 1, None))
     return init_state, train, val
 
 
 # ---------------------------------------------------------------------------------------------- primitives
 def make_primitives(init_state: dict, train: list[dict], val: list[dict], copies: int) -> dict[str, Callable]:
     """The bare passes, on their own model: F_train, FB_train (on one training batch) and F_tea(Z+1)."""
-    model = make_model()
+    model = make_model().to(DEVICE)
     model.load_state_dict(init_state)
     loss_fn = DiceCELoss(to_onehot_y=True, softmax=True, include_background=False)
     per_sample = get_loss("ce+dice")
@@ -252,8 +271,10 @@ def make_primitives(init_state: dict, train: list[dict], val: list[dict], copies
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    sync()
     c0, w0 = time.process_time(), time.perf_counter()
     fn()
+    sync()
     return time.process_time() - c0, time.perf_counter() - w0
 
 
@@ -456,7 +477,7 @@ def run_children(args: argparse.Namespace) -> dict[str, dict]:
     for name in ("plain", "joint N=1"):
         cmd = [sys.executable, os.path.abspath(__file__), "--config", name, "--batch", str(args.batch)]
         cmd += ["--patch", str(args.patch), "--copies", str(args.copies), "--seed", str(args.seed)]
-        cmd += ["--clock", args.clock]
+        cmd += ["--clock", args.clock, "--device", str(DEVICE)]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -468,7 +489,7 @@ def run_children(args: argparse.Namespace) -> dict[str, dict]:
 
 # ---------------------------------------------------------------------------------------------- main
 def main() -> None:
-    global clock
+    global clock, DEVICE  # noqa: PLW0603
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--iterations", type=int, default=30, help="timed iterations per configuration (blocks of 10)")
     parser.add_argument("--batch", type=int, default=8, help="patches per training / validation batch (n = m)")
@@ -477,10 +498,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="clock of the verdicts (both printed)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where models, batches and updates run: cpu, cuda, cuda:1...")
     parser.add_argument("--config", choices=list(CONFIGS), help=argparse.SUPPRESS)
     parser.add_argument("--options", action=argparse.BooleanOptionalAction, default=True,
                         help="section 5: the cost of each estimator option per update")  # fmt: skip
     args = parser.parse_args()
+    DEVICE = torch.device(args.device)
     clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -494,7 +517,7 @@ def main() -> None:
         f"policy-learning cost | torch {torch.__version__}, MONAI {monai.__version__}, "
         f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads | batch {args.batch} x "
         f"{args.patch}³, Z = {args.copies} | {cycles} x {BLOCK} timed iterations per configuration | "
-        f"verdicts on {args.clock} time"
+        f"verdicts on {args.clock} time | device {DEVICE}"
     )
     t_start = time.perf_counter()
     init_state, train, val = setup(args)

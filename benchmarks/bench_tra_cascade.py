@@ -1,4 +1,4 @@
-"""Benchmark of the TRA cascade (SPEC §2) against plain MONAI, on the CPU.
+"""Benchmark of the TRA cascade (SPEC §2) against plain MONAI and TorchIO, on the CPU.
 
 Command (from the repository root; about 1.5 min on 2 cores)::
 
@@ -26,6 +26,11 @@ measures the compute alone, with much less spread.
 (b) the policy machinery's own overhead: the cascade divided by ``apply_tra`` alone on the *same* ops,
     pre-drawn with ``policy.sample_ops`` + ``sample_tra_params`` from the same ``RandomState`` sequence
     as the cascade's (checked: same choices, bit-identical outputs). Target <= 1.05.
+(peers) the same run also times nnU-Net's augmentation in TorchIO (an optional dependency: the extra
+    ``bench``) and prints the cascade / the fastest peer pipeline (MONAI or TorchIO). Target <= 0.9.
+(p1) one resampling at p = 1 (scaling and rotations about all three axes, image bilinear + label
+    nearest): jcsaug's cascade with a policy that always draws them, MONAI's ``RandAffined(prob=1)`` and
+    TorchIO's ``RandomAffine(p=1)`` (SimpleITK given ``--threads`` threads). Target: jcsaug <= TorchIO.
 (c) resamplings of the image per sample in the cascade: calls of ``jcsaug.ops.tra._affine_resample``
     with mode "bilinear" (max and mean). Target: max <= 1. For information, the MONAI pipeline's
     image resamplings (``grid_sample`` / ``interpolate`` calls with a non-nearest mode made by
@@ -53,6 +58,7 @@ from monai.data import MetaTensor
 from monai.transforms import (
     Compose,
     RandAdjustContrastd,
+    RandAffined,
     RandFlipd,
     RandGaussianNoised,
     RandGaussianSmoothd,
@@ -74,6 +80,8 @@ CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time
 TARGET_A = 1.0
 TARGET_B = 1.05
 TARGET_C = 1
+TARGET_PEER = 0.9  # nnunet-preset cascade / fastest peer pipeline (MONAI, TorchIO)
+TARGET_P1 = 1.0  # one resampling at p = 1: jcsaug / TorchIO
 KEYS = ("image", "label")
 
 
@@ -146,16 +154,83 @@ def make_monai_nnunet() -> Compose:
                 mode=("bilinear", "nearest"), padding_mode="zeros",
             ),
             RandZoomd(KEYS, prob=0.2, min_zoom=0.7, max_zoom=1.4, mode=("trilinear", "nearest"), keep_size=True),
-            RandGaussianNoised("image", prob=0.1, mean=0.0, std=0.1),
-            RandGaussianSmoothd("image", sigma_x=(0.5, 1.0), sigma_y=(0.5, 1.0), sigma_z=(0.5, 1.0), prob=0.2),
-            RandScaleIntensityd("image", factors=0.25, prob=0.15),
-            RandAdjustContrastd("image", prob=0.3, gamma=(0.7, 1.5)),
-            RandSimulateLowResolutiond("image", prob=0.25, zoom_range=(0.5, 1.0)),
-            RandFlipd(KEYS, prob=0.5, spatial_axis=0),
-            RandFlipd(KEYS, prob=0.5, spatial_axis=1),
-            RandFlipd(KEYS, prob=0.5, spatial_axis=2),
+            *monai_nnunet_intensity_and_flips(),
         ]
     )  # fmt: skip
+
+
+def monai_nnunet_intensity_and_flips() -> list:
+    """nnU-Net's intensity augmentation and mirroring with its probabilities, as MONAI dictionary transforms."""
+    return [
+        RandGaussianNoised("image", prob=0.1, mean=0.0, std=0.1),
+        RandGaussianSmoothd("image", sigma_x=(0.5, 1.0), sigma_y=(0.5, 1.0), sigma_z=(0.5, 1.0), prob=0.2),
+        RandScaleIntensityd("image", factors=0.25, prob=0.15),
+        RandAdjustContrastd("image", prob=0.3, gamma=(0.7, 1.5)),
+        RandSimulateLowResolutiond("image", prob=0.25, zoom_range=(0.5, 1.0)),
+        RandFlipd(KEYS, prob=0.5, spatial_axis=0),
+        RandFlipd(KEYS, prob=0.5, spatial_axis=1),
+        RandFlipd(KEYS, prob=0.5, spatial_axis=2),
+    ]
+
+
+def make_torchio_nnunet():
+    """The same nnU-Net augmentation in TorchIO (optional benchmark dependency: ``pip install jcsaug[bench]``)."""
+    try:
+        import torchio as tio
+    except ImportError:
+        return None
+    return tio.Compose(
+        [
+            tio.RandomAffine(scales=(0.7, 1.4), degrees=30, p=0.36),  # nnU-Net: rotation p .2 and scaling p .2
+            tio.RandomNoise(std=(0.0, 0.1), p=0.1),
+            tio.RandomBlur(std=(0.5, 1.0), p=0.2),
+            tio.RandomGamma(log_gamma=(math.log(0.7), math.log(1.5)), p=0.3),
+            tio.RandomAnisotropy(axes=(0, 1, 2), downsampling=(1.0, 2.0), p=0.25),
+            tio.RandomFlip(axes=(0, 1, 2), flip_probability=0.5),
+        ]
+    )
+
+
+def resampling_policy():
+    """A TRA policy that always scales and rotates about all three axes (small rotations), nothing else."""
+    policy = make_tra_policy("nnunet", num_groups=2)
+    probs = []
+    for s, n in enumerate(policy.series_sizes):
+        p = np.zeros(n)
+        if s == 0:
+            p[1:] = 1.0  # any scaling bin
+        elif s in (1, 2, 3):
+            p[1:4] = 1.0  # the small-rotation bins (no 90-degree turn)
+        else:
+            p[0] = 1.0
+        probs.append(p)
+    policy.set_probabilities(probs, floor=0.0)
+    return policy
+
+
+def make_resampling_pipelines() -> dict[str, Callable]:
+    """One resampling at p = 1 (scaling and rotations about three axes, image bilinear + label nearest)."""
+    tra = TRACascaded("image", resampling_policy(), label_keys="label")
+    pipes: dict[str, Callable] = {"p1 jcsaug": Compose([ClassGroupd("label"), tra])}
+    angle = math.radians(30.0)
+    pipes["p1 MONAI"] = RandAffined(
+        KEYS, prob=1.0, rotate_range=(angle,) * 3, scale_range=(0.5,) * 3, mode=("bilinear", "nearest"),
+        padding_mode="zeros",
+    )  # fmt: skip
+    try:
+        import torchio as tio
+
+        pipes["p1 TorchIO"] = tio.RandomAffine(scales=0.5, degrees=30, p=1.0)
+    except ImportError:
+        pass
+    return pipes
+
+
+def as_subject(sample: dict):
+    import torchio as tio
+
+    return tio.Subject(image=tio.ScalarImage(tensor=sample["image"].as_tensor()),
+                       label=tio.LabelMap(tensor=sample["label"].as_tensor()))  # fmt: skip
 
 
 def predraw(tra: TRACascaded, samples: list[dict], seed: int) -> list[tuple[int, np.ndarray, TRAParams]]:
@@ -275,12 +350,24 @@ def bench_size(size: int, n: int, repeats: int, warmup: int, seed: int, clock: C
         s = samples[i]
         apply_tra({"image": s["image"]}, {"label": s["label"]}, drawn[i][2])
 
-    runners = {"cascade": run_cascade, "monai": run_monai, "direct": run_direct}
+    runners: dict[str, Callable[[int], None]] = {"cascade": run_cascade, "monai": run_monai, "direct": run_direct}
+    torchio_pipe = make_torchio_nnunet()
+    if torchio_pipe is not None:
+        runners["torchio"] = lambda i: torchio_pipe(as_subject(samples[i]))
+    resampling = make_resampling_pipelines()
+    for name, pipe in resampling.items():
+        if "TorchIO" in name:
+            runners[name] = lambda i, pipe=pipe: pipe(as_subject(samples[i]))
+        else:
+            runners[name] = lambda i, pipe=pipe: pipe(dict(samples[i]))
+    seeded = [tra, monai_pipe] + [p for n, p in resampling.items() if "TorchIO" not in n]
     names = list(runners)
 
     # warm-up: every pipeline on the first samples (allocator, MONAI/torch lazy imports and caches)
     tra.set_random_state(seed_tra)
     monai_pipe.set_random_state(seed_monai)
+    for k, pipe in enumerate(seeded[2:]):
+        pipe.set_random_state(seed + 31 + k)
     for i in range(min(warmup, n)):
         for name in names:
             runners[name](i)
@@ -304,6 +391,7 @@ def bench_size(size: int, n: int, repeats: int, warmup: int, seed: int, clock: C
     if [float(s["image"].sum()) + float(s["label"].sum()) for s in samples] != checksum:
         raise RuntimeError("a pipeline modified its input in place")
     groups = Counter(g for g, _, _ in drawn)
+    peers = {k: ms[k] for k in ("monai", "torchio") if k in ms}
     return {
         "size": size,
         "n": n,
@@ -311,6 +399,10 @@ def bench_size(size: int, n: int, repeats: int, warmup: int, seed: int, clock: C
         "ms": ms,
         "ratio_a": ms["cascade"] / ms["monai"],
         "ratio_b": ms["cascade"] / ms["direct"],
+        "ratio_peer": ms["cascade"] / min(peers.values()),
+        "fastest_peer": min(peers, key=peers.get),
+        "ratio_p1": ms["p1 jcsaug"] / ms["p1 TorchIO"] if "p1 TorchIO" in ms else float("nan"),
+        "ratio_p1_monai": ms["p1 jcsaug"] / ms["p1 MONAI"],
         **counts,
     }
 
@@ -341,7 +433,27 @@ def print_table(rows: list[dict]) -> None:
                 f"{np.mean(r['cascade_all']):.2f}/{np.mean(r['monai_all']):.2f}",
             ]
         )  # fmt: skip
-    widths = [max(len(row[j]) for row in table) for j in range(len(header))]
+    _print(table)
+    print("\nPeers in the same run (nnU-Net augmentation; one resampling at p = 1: scaling + rotations about 3 axes):")
+    table = [["size", "cascade ms", "MONAI ms", "TorchIO ms", "c/fastest", "target", "",
+              "p1 jcsaug ms", "p1 MONAI ms", "p1 TorchIO ms", "p1 j/T", "target", "", "p1 j/M"]]  # fmt: skip
+    for r in rows:
+        ms = r["ms"]
+        p1_ok = round(r["ratio_p1"], 3) <= TARGET_P1 if math.isfinite(r["ratio_p1"]) else False
+        table.append(
+            [
+                f"{r['size']}³", f"{ms['cascade']:.2f}", f"{ms['monai']:.2f}", f"{ms.get('torchio', float('nan')):.2f}",
+                f"{r['ratio_peer']:.3f} ({r['fastest_peer']})", f"<={TARGET_PEER:.2f}",
+                _verdict(round(r["ratio_peer"], 3) <= TARGET_PEER),
+                f"{ms['p1 jcsaug']:.2f}", f"{ms['p1 MONAI']:.2f}", f"{ms.get('p1 TorchIO', float('nan')):.2f}",
+                f"{r['ratio_p1']:.3f}", f"<={TARGET_P1:.2f}", _verdict(p1_ok), f"{r['ratio_p1_monai']:.3f}",
+            ]
+        )  # fmt: skip
+    _print(table)
+
+
+def _print(table: list[list[str]]) -> None:
+    widths = [max(len(row[j]) for row in table) for j in range(len(table[0]))]
     for k, row in enumerate(table):
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
         if k == 0:
@@ -385,6 +497,12 @@ def main(argv: list[str] | None = None) -> None:
 
     malloc = keep_freed_memory() if args.malloc == "keep" else "glibc default"
     torch.set_num_threads(args.threads)
+    try:  # TorchIO resamples with SimpleITK: give it the same number of threads
+        import SimpleITK as sitk
+
+        sitk.ProcessObject.SetGlobalDefaultNumberOfThreads(args.threads)
+    except ImportError:
+        print("note: TorchIO not installed (pip install 'jcsaug[bench]'): its columns are nan")
     torch.manual_seed(args.seed)
     print(
         f"torch {torch.__version__}, MONAI {monai.__version__}, {platform.processor() or platform.machine()}, "

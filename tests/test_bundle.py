@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import run_bundle, small_dataset
-from jcsaug.policy import make_tea_policy
+from jcsaug.policy import make_tea_policy, make_tra_policy
 from jcsaug.policy.io import load_policies
 
 
@@ -75,3 +75,14 @@ def test_posthoc_tea_and_train_on_val(tmp_path):
     tra, tea = load_policies(tmp_path / "run" / "policies.json")
     assert tea is not None and not torch.allclose(tea.logits, make_tea_policy("nnunet").logits)
     assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())) == {"none", "learned-posthoc"}
+
+
+def test_tra_cascade_on_the_device(tmp_path):
+    """augment_on: device (the default on a GPU): BatchTRACascaded on every batch, and the TRA update still learns."""
+    small_dataset(tmp_path)
+    result = run_bundle(tmp_path, "train.yaml", max_epochs=1, epoch_length=2, num_workers=0, tra_update_every=1,
+                        tea_mode="none", augment_on="device", device="cpu")  # fmt: skip
+    log = result.stdout + result.stderr
+    assert re.search(r"TRA update 2; most changed: \S+", log)  # the op record reached the updater
+    tra, _ = load_policies(tmp_path / "run" / "policies.json")
+    assert not torch.allclose(tra.logits, make_tra_policy("nnunet", 2).logits)

@@ -108,7 +108,7 @@ def _shutdown_rank(rank: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=2)
     net = DistributedDataParallel(torch.nn.Linear(3, 2))
     net(torch.randn(4, 3)).sum().backward()
-    idist.all_gather(torch.ones(3))
+    dist.all_reduce(torch.ones(3))  # a CPU collective whatever the machine (ignite's would move it to a GPU)
     before = _native_threads()
     shutdown_distributed(net)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps([before, _native_threads(), dist.is_initialized()]))
@@ -134,7 +134,8 @@ def test_bundle_multi_gpu_config_runs_under_torchrun(tmp_path):
             "--dataset_dir", str(tmp_path / "data"), "--output_dir", str(tmp_path / "run"),
             "--max_epochs", "1", "--epoch_length", "2", "--num_workers", "0",
             "--tra_update_every", "1", "--tea_update_every", "1",
-            "--patch_size", "[16, 16, 16]"]  # fmt: skip
+            "--patch_size", "[16, 16, 16]", "--accelerator", "cpu"]  # fmt: skip
+    # (--accelerator cpu: two gloo ranks on the CPU also where CUDA is available, e.g. a single-GPU machine)
     # (patches smaller than the volumes, so that a batch holds both class groups and TRA updates happen)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
@@ -148,3 +149,22 @@ def test_bundle_multi_gpu_config_runs_under_torchrun(tmp_path):
     for path in (run / "checkpoint_final_iteration=2.pt", run / "resume.pt"):  # saved unwrapped from DDP
         checkpoint = torch.load(path, weights_only=True)
         assert checkpoint["network"] and not any(k.startswith("module.") for k in checkpoint["network"]), path
+
+
+def test_rank_device_picks_the_local_gpu_or_says_why_not(monkeypatch):
+    from jcsaug.engine import rank_device
+
+    assert rank_device("cpu", local_rank=3) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rank_device("auto", local_rank=1) == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        rank_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert rank_device() == torch.device("cuda:0")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # two processes on a one-GPU machine: the failure CUDA machines saw
+    with pytest.raises(RuntimeError, match=r"local rank 1 has no GPU: 1 CUDA device\(s\).*--accelerator cpu"):
+        rank_device()
+    with pytest.raises(ValueError, match="accelerator must be one of"):
+        rank_device("tpu")

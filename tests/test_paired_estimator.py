@@ -323,3 +323,19 @@ def test_dataset_metadata_names_the_ops_that_undo_each_shift(tmp_path):
     assert max(set(long_axes), key=long_axes.count) == 1  # the lesions now lie along array axis 1
     with pytest.raises(ValueError, match="target_shift"):
         make_synthetic_dataset(tmp_path / "e", 1, 1, 1, shape=(24, 24, 24), target_shift="nope", progress=False)
+
+
+def test_batched_cascade_makes_the_same_kind_of_counterfactuals():
+    from jcsaug.policy import BatchTRACascaded
+
+    policy = make_tra_policy("nnunet", num_groups=2)
+    batch = {"image": torch.randn(3, 1, 12, 12, 12), "label": (torch.rand(3, 1, 12, 12, 12) > 0.7).to(torch.uint8),
+             "class_group": torch.tensor([0, 1, 1])}  # fmt: skip
+    out = BatchTRACascaded("image", policy, label_keys="label", counterfactuals=4).set_random_state(5)(batch)
+    assert out["image_cf"].shape == (3, 4, 1, 12, 12, 12) and out["label_cf"].shape == (3, 4, 1, 12, 12, 12)
+    assert out["tra_cf_ops"].shape == (3, 4, 2) and out["label_cf"].dtype == torch.uint8
+    for i in range(3):
+        for series, op in out["tra_cf_ops"][i].tolist():
+            assert (op == 0) == (int(out["tra_ops"][i, series]) != 0)
+    plain = BatchTRACascaded("image", policy, label_keys="label").set_random_state(5)(batch)
+    assert torch.equal(plain["tra_ops"], out["tra_ops"]) and torch.equal(plain["image"], out["image"])

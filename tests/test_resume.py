@@ -16,7 +16,8 @@ def _state(run_dir):
 
 def test_stop_and_resume_equals_straight_run(tmp_path):
     small_dataset(tmp_path)
-    common = dict(max_epochs=2, epoch_length=3, num_workers=2, tra_update_every=1, tea_update_every=1)
+    # exact resume is promised on the CPU (CUDA kernels such as index_put/scatter-add backward are not deterministic)
+    common = dict(max_epochs=2, epoch_length=3, num_workers=2, tra_update_every=1, tea_update_every=1, device="cpu")
     straight = tmp_path / "straight"
     run_bundle(tmp_path, "train.yaml", output_dir=straight, **common)
     resumed = tmp_path / "resumed"

@@ -114,9 +114,9 @@ def test_spatial_ops_keep_label_values_and_resample_once(monkeypatch):
     calls = []
     real = tra._affine_resample
 
-    def counting(img, params, mode, padding_mode, grid=None):
+    def counting(x, matrices, mode, padding_mode, grid=None):
         calls.append(mode)
-        return real(img, params, mode, padding_mode, grid)
+        return real(x, matrices, mode, padding_mode, grid)
 
     monkeypatch.setattr(tra, "_affine_resample", counting)
     img = torch.rand(1, 20, 20, 20)

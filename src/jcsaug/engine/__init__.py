@@ -7,7 +7,8 @@ from jcsaug.engine.checkpoints import (
     load_checkpoint,
     save_checkpoint_atomic,
 )
-from jcsaug.engine.distributed import release_ddp, shutdown_distributed
+from jcsaug.engine.device_augmentation import AUGMENT_ON, DeviceAugmentation, resolve_augment_on
+from jcsaug.engine.distributed import rank_device, release_ddp, shutdown_distributed
 from jcsaug.engine.export import PolicyExporter
 from jcsaug.engine.hypergradient import (
     finite_difference_hypergradient,
@@ -22,6 +23,8 @@ from jcsaug.engine.tea_updater import TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRAPolicyUpdater
 
 __all__ = [
+    "AUGMENT_ON",
+    "resolve_augment_on",
     "SegmentationLoss",
     "AtomicCheckpointSaver",
     "SafeCheckpointLoader",
@@ -31,6 +34,7 @@ __all__ = [
     "TEA_MODES",
     "TRA_MODES",
     "AugmentationSetup",
+    "DeviceAugmentation",
     "EpochReseeder",
     "ResumeCheckpoint",
     "StopAfterEpochs",
@@ -43,6 +47,7 @@ __all__ = [
     "latest_checkpoint",
     "learn_tea_posthoc",
     "normalise_hypergradient",
+    "rank_device",
     "release_ddp",
     "shutdown_distributed",
 ]

@@ -13,12 +13,43 @@ and was abandoned).
 from __future__ import annotations
 
 import gc
+import os
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["release_ddp", "shutdown_distributed"]
+__all__ = ["ACCELERATORS", "rank_device", "release_ddp", "shutdown_distributed"]
+
+ACCELERATORS = ("auto", "cuda", "cpu")
+
+
+def rank_device(accelerator: str = "auto", local_rank: int | None = None) -> torch.device:
+    """The device of this process in a ``torchrun`` launch: ``cuda:<local rank>`` or the CPU.
+
+    ``auto`` takes the GPU of the local rank when CUDA is available and the CPU otherwise; ``cuda`` insists on a
+    GPU; ``cpu`` runs every rank on the CPU (gloo), e.g. for tests on a machine that has a GPU. A rank without a
+    GPU of its own (more processes per node than GPUs) is an error that says so, rather than a CUDA error
+    about an invalid device ordinal. ``local_rank`` defaults to torchrun's ``LOCAL_RANK`` (0 if unset).
+    """
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {accelerator!r}")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("accelerator 'cuda' was asked for but CUDA is not available; use --accelerator cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU: {count} CUDA device(s) visible on this node; launch at most "
+            f"{count} process(es) per node (torchrun --nproc_per_node), or run the ranks on the CPU with "
+            "--accelerator cpu"
+        )
+    return torch.device(f"cuda:{local_rank}")
+
 
 _DDP_GROUP_HOLDERS = ("reducer", "logger")
 

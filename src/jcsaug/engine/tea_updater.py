@@ -12,6 +12,7 @@ from torch import nn
 from jcsaug.engine.base import PolicyUpdater, PrepareBatch, SkipUpdate, ValidationStream, make_prepare_batch
 from jcsaug.engine.losses import main_output
 from jcsaug.engine.paired import OpEffects
+from jcsaug.ops.tea import apply_tea_ops, apply_tea_ops_by_shape
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.transforms import centre_class
 
@@ -160,10 +161,11 @@ class TEAPolicyUpdater(PolicyUpdater):
         self.model.eval()
         try:
             with torch.no_grad():
-                preds = predict_by_shape(self.model, [image] + [op.transform_image(image) for op in ops])
+                copies = apply_tea_ops(ops, image.expand(len(ops), *image.shape), "image")  # one batched call
+                preds = predict_by_shape(self.model, [image, *copies])
         finally:
             self.model.train(was_training)
-        mapped = torch.stack([preds[0]] + [op.invert(p) for op, p in zip(ops, preds[1:])])
+        mapped = torch.stack([preds[0], *apply_tea_ops_by_shape(ops, preds[1:], "invert")])
         return soft_dice_loss(mapped, label.unsqueeze(0).expand(len(mapped), *label.shape)).double().cpu()
 
     def _paired_update(self, engine: Engine) -> None:

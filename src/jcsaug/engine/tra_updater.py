@@ -26,6 +26,7 @@ from jcsaug.engine.hypergradient import (
 )
 from jcsaug.engine.losses import BATCH_LOSSES, PerSampleLoss, get_loss, main_output
 from jcsaug.engine.paired import OpEffects
+from jcsaug.ops.tea import apply_tea_ops
 from jcsaug.policy.cascade import COUNTERFACTUAL_SUFFIX, DEFAULT_CF_OP_KEY
 from jcsaug.policy.categorical import CategoricalPolicy
 
@@ -43,13 +44,14 @@ def tea_transform_batch(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Transform each validation sample by a TEA op drawn from ``tea_policy`` (image and label together).
 
-    Returns ``(image, label)`` mini-batches of equal shapes (90-degree rotations of non-cubic patches
-    change shapes)."""
+    The ops of all samples run batched on the batch's device (:func:`jcsaug.ops.tea.apply_tea_ops`). Returns
+    ``(image, label)`` mini-batches of equal shapes (90-degree rotations of non-cubic patches change shapes)."""
     probs = tea_policy.probabilities()[0][0]
     drawn = torch.multinomial(probs, image.shape[0], replacement=True, generator=generator)
+    chosen = [ops[k] for k in drawn.tolist()]
+    images, labels = apply_tea_ops(chosen, image, "image"), apply_tea_ops(chosen, label, "label")
     by_shape: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for i, k in enumerate(drawn.tolist()):
-        x, y = ops[k].transform_image(image[i]), ops[k].transform_label(label[i])
+    for x, y in zip(images, labels):
         by_shape.setdefault(tuple(x.shape), []).append((x, y))
     return [(torch.stack([x for x, _ in g]), torch.stack([y for _, y in g])) for g in by_shape.values()]
 

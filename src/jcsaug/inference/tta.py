@@ -2,8 +2,9 @@
 
 They are MONAI ``Inferer`` s wrapping any base inferer (``SimpleInferer``, ``SlidingWindowInferer``):
 each op transforms the input, the base inferer predicts, the op maps the prediction back, and the
-predictions are averaged with the op weights. Copies whose transformed shapes agree go through the
-base inferer together as one batch.
+predictions are averaged with the op weights. The ops transform and map back all copies in batched calls
+on the input's device (:func:`jcsaug.ops.tea.apply_tea_ops`), and copies whose transformed shapes agree go
+through the base inferer together as one batch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Literal
 import torch
 from monai.inferers import Inferer, SimpleInferer
 
-from jcsaug.ops.tea import TEA_OPS, TEAOp
+from jcsaug.ops.tea import TEA_OPS, TEAOp, apply_tea_ops
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.presets import TEA_FLIP_IDS
 
@@ -84,19 +85,27 @@ class TEAInferer(Inferer):
 
     def __call__(self, inputs: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
         image = inputs.as_tensor() if hasattr(inputs, "as_tensor") else inputs
-        groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
-        for i, op in enumerate(self.ops):
-            x = op.transform_image(image)
-            groups.setdefault(tuple(x.shape), []).append((i, x))
-        total = None
         batch = image.shape[0]
+        # every image of the batch under every op, transformed in one batched call on the input's device
+        rows_ops = [op for op in self.ops for _ in range(batch)]
+        rows = image.repeat(len(self.ops), *([1] * (image.ndim - 1)))
+        transformed = apply_tea_ops(rows_ops, rows, "image")
+        groups: dict[tuple, list[int]] = {}
+        for i in range(len(self.ops)):
+            groups.setdefault(tuple(transformed[i * batch].shape), []).append(i)
+        total = None
         for members in groups.values():
-            pred = self._predict(torch.cat([x for _, x in members]), network, *args, **kwargs)
-            for j, (i, _) in enumerate(members):
-                p = self.ops[i].invert(pred[j * batch : (j + 1) * batch]).float()
-                if self.average == "probabilities":
-                    p = torch.softmax(p, dim=1)
-                total = p * self.weights[i] if total is None else total + p * self.weights[i]
+            pred = self._predict(
+                torch.cat([torch.stack(transformed[i * batch : (i + 1) * batch]) for i in members]),
+                network, *args, **kwargs,
+            )  # fmt: skip
+            ops = [self.ops[i] for i in members for _ in range(batch)]
+            mapped = torch.stack(apply_tea_ops(ops, pred, "invert")).float()
+            if self.average == "probabilities":
+                mapped = torch.softmax(mapped, dim=1)
+            weights = torch.tensor([self.weights[i] for i in members], dtype=mapped.dtype, device=mapped.device)
+            part = (mapped.view(len(members), batch, *mapped.shape[1:]) * weights.view(-1, *[1] * mapped.ndim)).sum(0)
+            total = part if total is None else total + part
         return torch.log(total.clamp_min(1e-8)) if self.average == "probabilities" else total
 
 

@@ -2,7 +2,8 @@
 
 from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL
 from jcsaug.ops.catalogue import OpSpec, Series
-from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, sample_tra_params, tra_catalogue_json
+from jcsaug.ops.tea import TEA_OPS, apply_tea_ops
+from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, apply_tra_batch, sample_tra_params, tra_catalogue_json
 
 __all__ = [
     "AXIS_NAMES",
@@ -11,9 +12,12 @@ __all__ = [
     "SAGITTAL",
     "OpSpec",
     "Series",
+    "TEA_OPS",
     "TRA_SERIES",
     "TRAParams",
+    "apply_tea_ops",
     "apply_tra",
+    "apply_tra_batch",
     "sample_tra_params",
     "tra_catalogue_json",
 ]

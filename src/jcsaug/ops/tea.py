@@ -25,10 +25,11 @@ the original grid):
 
 * mirrors and 90/180-degree rotations are exact array operations and are inverted exactly (shapes
   of non-cubic volumes are restored);
-* scalings and 5/15/25-degree rotations are one MONAI ``Affine`` about the volume centre; the inverse
-  resamples the prediction with the exact inverse matrix (bilinear, ``"border"`` padding), so it is
-  exact up to two linear interpolations, except near the border where content left the field of
-  view;
+* scalings and 5/15/25-degree rotations are one affine about the volume centre (MONAI ``Affine``'s
+  convention, resampled by :func:`jcsaug.ops.resample.resample` with a grid built once per op and shape
+  and cached); the inverse resamples the prediction with the exact inverse matrix (bilinear,
+  ``"border"`` padding), so it is exact up to two linear interpolations, except near the border where
+  content left the field of view;
 * intensity ops have an identity inverse.
 
 Padding: images are resampled with ``"border"`` padding (edge values are repeated rather than
@@ -38,22 +39,27 @@ inventing a zero intensity that may not be background after normalisation), labe
 Intensity ops act on each ``[C, X, Y, Z]`` sample (the last four dims) separately, like the TRA
 pipeline acts on a sample: min/max (gamma), mean (contrast) and range (sharpening clip) are per sample,
 and every sample of a batch gets the op's fixed noise.
+
+:func:`apply_tea_ops` applies a different op to each row of a batch (the Z copies of a TEA update, the z
+ops of test-time inference) on the batch's device: all affine rows in one ``grid_sample`` call, intensity
+ops vectorised over the rows of each kind. ``TEAOp``'s methods are the same code on one op.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from monai.transforms import AdjustContrast, Affine, GaussianSmooth, ScaleIntensityFixedMean
 from monai.transforms.utils import create_rotate, create_scale
 
+from jcsaug.ops import filters, intensity
 from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL, rotation_plane
-from jcsaug.ops.filters import log_sharpen
-from jcsaug.ops.tra import _low_resolution
+from jcsaug.ops.resample import affine_grid, resample
 
 SPATIAL_KINDS = frozenset({"scale", "rotate", "rot90", "flip"})
 
@@ -83,29 +89,6 @@ def _check_spatial(x: torch.Tensor, what: str) -> None:
         raise ValueError(
             f"TEA ops need 3D volumes [..., X, Y, Z] (at least 3 dims); the {what} has shape {tuple(x.shape)}"
         )
-
-
-def _resample(x: torch.Tensor, matrix: np.ndarray, mode: str, padding_mode: str) -> torch.Tensor:
-    """Resample ``x [..., X, Y, Z]`` with MONAI's ``Affine`` (output -> input ``matrix`` about the centre).
-
-    All leading dims are flattened into MONAI's channel dim and restored afterwards.
-    """
-    lead, spatial = x.shape[:-3], x.shape[-3:]
-    dtype = x.dtype if x.is_floating_point() else torch.float32
-    flat = x.reshape(-1, *spatial).to(dtype)
-    affine = Affine(
-        affine=matrix, mode=mode, padding_mode=padding_mode, image_only=True, dtype=dtype, device=flat.device
-    )
-    out = _plain(affine(flat))
-    return out.to(dtype).reshape(*lead, *spatial)
-
-
-def _per_sample(x: torch.Tensor, fn) -> torch.Tensor:
-    """Apply ``fn`` to each ``[C, X, Y, Z]`` sample of ``x [..., X, Y, Z]`` (a 3-dim x is one sample)."""
-    if x.ndim == 3:
-        return fn(x.unsqueeze(0)).squeeze(0)
-    samples = x.reshape(-1, *x.shape[-4:])
-    return torch.stack([fn(s) for s in samples]).reshape(x.shape)
 
 
 @dataclass(frozen=True)
@@ -161,79 +144,38 @@ class TEAOp:
             return np.asarray(create_rotate(3, angles), dtype=np.float64)
         raise ValueError(f"TEA op {self.name!r} ({self.kind}) is not an affine resampling")
 
-    def _spatial(self, x: torch.Tensor, *, inverse: bool, mode: str, padding_mode: str) -> torch.Tensor:
-        if self.kind == "flip":
-            return torch.flip(x, dims=[a - 3 for a in self.flip_axes])
-        if self.kind == "rot90":
-            k = -self._quarter_turns if inverse else self._quarter_turns
-            return torch.rot90(x, k, dims=self._spatial_dims)
-        if self.kind in ("scale", "rotate"):
+    def grid(self, spatial_size: Sequence[int], device: torch.device | str, dtype: torch.dtype = torch.float32,
+             inverse: bool = False) -> torch.Tensor:  # fmt: skip
+        """The ``grid_sample`` grid ``[1, X, Y, Z, 3]`` of an affine op (or of its inverse), built once per op,
+        shape, device and dtype and then taken from a cache (see :func:`clear_grid_cache`)."""
+        key = (self.id, inverse, tuple(int(s) for s in spatial_size), torch.device(device), dtype)
+        grid = _GRID_CACHE.get(key)
+        if grid is None:
             matrix = self.affine_matrix()
-            if inverse:
-                matrix = np.linalg.inv(matrix)
-            return _resample(x, matrix, mode, padding_mode)
-        return x
-
-    # ------------------------------------------------------------------ intensity
-    def _intensity(self, sample: torch.Tensor) -> torch.Tensor:
-        """The intensity op on one ``[C, X, Y, Z]`` floating-point sample."""
-        kind, m, sign = self.kind, self.magnitude, self.sign
-        if kind in ("gamma", "inverted_gamma"):
-            gamma = (1.0 + m) ** sign
-            return _plain(AdjustContrast(gamma, invert_image=kind == "inverted_gamma")(sample))
-        if kind == "shift":
-            return sample + sign * m
-        if kind == "intensity_scale":
-            return sample * (1.0 + m) ** sign
-        if kind == "contrast":
-            factor = (1.0 + m) ** sign - 1.0
-            return _plain(ScaleIntensityFixedMean(factor=factor)(sample))
-        if kind == "blur":
-            return _plain(GaussianSmooth(sigma=m)(sample))
-        if kind == "sharpen":
-            return log_sharpen(sample, m)
-        if kind == "noise":
-            gen = torch.Generator(device=sample.device).manual_seed(NOISE_SEED_BASE + self.id)
-            noise = torch.randn(sample.shape, generator=gen, device=sample.device, dtype=sample.dtype)
-            return sample + m * noise
-        if kind == "low_resolution":
-            return _low_resolution(sample, m)
-        raise AssertionError(f"unhandled TEA kind {kind!r}")
+            matrix = np.linalg.inv(matrix) if inverse else matrix
+            grid = affine_grid(torch.as_tensor(matrix[:3, :3])[None], spatial_size, device, dtype)
+            _cache_grid(key, grid)
+        else:
+            _GRID_CACHE.move_to_end(key)
+        return grid
 
     # ------------------------------------------------------------------ public API
     def transform_image(self, img: torch.Tensor) -> torch.Tensor:
         """Apply the op to an image ``[..., X, Y, Z]``; returns a plain floating-point tensor."""
-        _check_spatial(img, "image")
-        x = _plain(img)
-        if not x.is_floating_point():
-            x = x.float()
-        if self.kind == "identity":
-            return x
-        if self.is_spatial:
-            return self._spatial(x, inverse=False, mode="bilinear", padding_mode="border")
-        return _per_sample(x, self._intensity).to(x.dtype)  # some MONAI transforms return float32
+        return _one_op(self, img, "image")
 
     def transform_label(self, label: torch.Tensor) -> torch.Tensor:
         """The spatial part of the op on a label map ``[..., X, Y, Z]`` (nearest neighbour, zero padding).
 
         Keeps the label values and dtype; identity for intensity ops.
         """
-        _check_spatial(label, "label")
-        x = _plain(label)
-        if not self.is_spatial:
-            return x
-        out = self._spatial(x, inverse=False, mode="nearest", padding_mode="zeros")
-        return out.round().to(x.dtype) if not x.is_floating_point() else out
+        return _one_op(self, label, "label")
 
     def invert(self, pred: torch.Tensor) -> torch.Tensor:
         """Map a prediction ``[..., C, X, Y, Z]`` (probabilities or logits) made on the transformed image
         back to the original grid: exact for mirrors and 90/180-degree rotations, the inverse affine
         (bilinear, border padding) for scalings and small rotations, identity for intensity ops."""
-        _check_spatial(pred, "prediction")
-        x = _plain(pred)
-        if not self.is_spatial:
-            return x
-        return self._spatial(x, inverse=True, mode="bilinear", padding_mode="border")
+        return _one_op(self, pred, "invert")
 
     def to_json(self) -> dict:
         return {"id": self.id, "name": self.name, "kind": self.kind, "magnitude": self.magnitude}
@@ -312,3 +254,137 @@ def get_tea_op(id_or_name: int | str) -> TEAOp:
 def tea_catalogue_json() -> list[dict]:
     """Machine-readable catalogue: ``{"id", "name", "kind", "magnitude"}`` per op, in id order."""
     return [op.to_json() for op in TEA_OPS]
+
+
+# ---------------------------------------------------------------------------------------------- batched application
+#: grids of affine ops, keyed by (op id, inverse, shape, device, dtype); least recently used dropped past the budget
+_GRID_CACHE: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+GRID_CACHE_BYTES = 256 * 2**20
+
+
+def _cache_grid(key: tuple, grid: torch.Tensor) -> None:
+    _GRID_CACHE[key] = grid
+    total = sum(g.numel() * g.element_size() for g in _GRID_CACHE.values())
+    while total > GRID_CACHE_BYTES and len(_GRID_CACHE) > 1:
+        _, dropped = _GRID_CACHE.popitem(last=False)
+        total -= dropped.numel() * dropped.element_size()
+
+
+def clear_grid_cache() -> None:
+    """Drop the cached grids of the affine TEA ops."""
+    _GRID_CACHE.clear()
+
+
+_WHAT = ("image", "label", "invert")
+
+
+def _spatial_rows(ops: Sequence[TEAOp], x: torch.Tensor, what: str) -> list[torch.Tensor]:
+    """The spatial part of ``ops[k]`` on row ``x[k]`` ([K, C, X, Y, Z]): all affine rows in one ``grid_sample``."""
+    inverse = what == "invert"
+    out: list[torch.Tensor | None] = [None] * len(ops)
+    affine = [k for k, op in enumerate(ops) if op.kind in ("scale", "rotate")]
+    if affine:
+        dtype = x.dtype if x.is_floating_point() else torch.float32
+        grid = torch.cat([ops[k].grid(x.shape[2:], x.device, dtype, inverse) for k in affine])
+        rows = x[affine] if len(affine) < len(ops) else x
+        mode, padding = ("nearest", "zeros") if what == "label" else ("bilinear", "border")
+        moved = resample(rows.to(dtype), None, mode, padding, grid=grid)
+        if what == "label" and not x.is_floating_point():
+            moved = moved.round().to(x.dtype)
+        for j, k in enumerate(affine):
+            out[k] = moved[j]
+    for k, op in enumerate(ops):
+        if op.kind == "flip":
+            out[k] = torch.flip(x[k], dims=[a - 3 for a in op.flip_axes])
+        elif op.kind == "rot90":
+            turns = -op._quarter_turns if inverse else op._quarter_turns
+            out[k] = torch.rot90(x[k], turns, dims=op._spatial_dims)
+        elif out[k] is None:
+            out[k] = x[k]
+    return out  # type: ignore[return-value]
+
+
+def _intensity_rows(ops: Sequence[TEAOp], x: torch.Tensor) -> torch.Tensor:
+    """The intensity part of ``ops[k]`` on row ``x[k]`` (a [C, X, Y, Z] sample), vectorised per op kind."""
+    kinds = [op.kind for op in ops]
+
+    def rows(*wanted: str) -> list[bool]:
+        return [k in wanted for k in kinds]
+
+    def factor(op: TEAOp) -> float:
+        return (1.0 + op.magnitude) ** op.sign
+
+    noise = [op.magnitude if op.kind == "noise" else 0.0 for op in ops]
+    x = intensity.select(x, rows("noise"), intensity.add_noise, noise, [NOISE_SEED_BASE + op.id for op in ops])
+    sigma = [op.magnitude for op in ops]
+    x = intensity.select(x, rows("blur"), filters.gaussian_blur_batch, sigma)
+    x = intensity.select(x, rows("sharpen"), filters.log_sharpen_batch, sigma)
+    x = intensity.select(x, rows("shift"), intensity.shift, [op.sign * op.magnitude for op in ops])
+    factors = [factor(op) for op in ops]
+    x = intensity.select(x, rows("intensity_scale"), intensity.scale, factors)
+    x = intensity.select(x, rows("contrast"), intensity.contrast, factors)
+    x = intensity.select(x, rows("low_resolution"), intensity.low_resolution, sigma)
+    x = intensity.select(x, rows("inverted_gamma"), intensity.inverted_gamma, factors)
+    return intensity.select(x, rows("gamma"), intensity.gamma, factors)
+
+
+def apply_tea_ops(ops: Sequence[TEAOp], x: torch.Tensor, what: str = "image") -> list[torch.Tensor]:
+    """Apply ``ops[k]`` to row ``x[k]`` of a batch ``[K, C, X, Y, Z]``, on its device, all rows at once.
+
+    ``what``: ``"image"`` (spatial and intensity ops; bilinear, border padding), ``"label"`` (spatial ops only;
+    nearest, zero padding, values and dtype kept) or ``"invert"`` (map predictions made on transformed images
+    back: inverse spatial ops, bilinear, border padding). The affine ops of all rows go through one
+    ``grid_sample`` call with their cached grids; mirrors and 90-degree rotations are exact index ops;
+    intensity ops are vectorised over the rows of each kind. Returns one tensor per row (90-degree rotations
+    of non-cubic volumes change shapes). Ops of a user's own catalogue (objects with ``transform_image``,
+    ``transform_label`` and ``invert`` rather than :class:`TEAOp` s) are applied row by row.
+    """
+    if what not in _WHAT:
+        raise ValueError(f"what must be one of {_WHAT}, got {what!r}")
+    x = _plain(x)
+    if x.ndim != 5 or x.shape[0] != len(ops):
+        raise ValueError(f"expected one [C, X, Y, Z] row per op ({len(ops)} ops), got shape {tuple(x.shape)}")
+    if not all(isinstance(op, TEAOp) for op in ops):
+        method = {"image": "transform_image", "label": "transform_label", "invert": "invert"}[what]
+        return [getattr(op, method)(row) for op, row in zip(ops, x.unbind(0))]
+    if what == "image":
+        x = x if x.is_floating_point() else x.float()
+        intensity_ops = [op if not op.is_spatial else TEA_OPS[0] for op in ops]
+        if any(op.kind != "identity" for op in intensity_ops):
+            x = _intensity_rows(intensity_ops, x)
+    if not any(op.is_spatial for op in ops):
+        return list(x.unbind(0))
+    return _spatial_rows(ops, x, what)
+
+
+def apply_tea_ops_by_shape(
+    ops: Sequence[TEAOp], rows: Sequence[torch.Tensor], what: str = "image"
+) -> list[torch.Tensor]:
+    """:func:`apply_tea_ops` on rows ``[C, X, Y, Z]`` that may differ in shape: one batched call per shape."""
+    if len(ops) != len(rows):
+        raise ValueError(f"{len(ops)} ops for {len(rows)} rows")
+    by_shape: dict[tuple, list[int]] = {}
+    for k, row in enumerate(rows):
+        by_shape.setdefault(tuple(row.shape), []).append(k)
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    for idx in by_shape.values():
+        for k, y in zip(idx, apply_tea_ops([ops[k] for k in idx], torch.stack([_plain(rows[k]) for k in idx]), what)):
+            out[k] = y
+    return out  # type: ignore[return-value]
+
+
+def _one_op(op: TEAOp, x: torch.Tensor, what: str) -> torch.Tensor:
+    """One op on ``x`` [..., X, Y, Z]: spatial ops treat all leading dims as channels, intensity ops treat each
+    ``[C, X, Y, Z]`` sample on its own (a 3-dim ``x`` is one sample)."""
+    _check_spatial(x, {"image": "image", "label": "label", "invert": "prediction"}[what])
+    x = _plain(x)
+    if what == "image" and not x.is_floating_point():
+        x = x.float()
+    if op.kind == "identity" or (what != "image" and not op.is_spatial):
+        return x
+    if op.is_spatial:
+        rows = x.reshape(1, -1, *x.shape[-3:])
+        out = _spatial_rows([op], rows, what)[0]
+        return out.reshape(*x.shape[:-3], *out.shape[-3:])
+    rows = x.reshape(-1, *x.shape[-4:]) if x.ndim >= 4 else x[None, None]
+    return _intensity_rows([op] * rows.shape[0], rows).reshape(x.shape)

@@ -6,9 +6,13 @@ Kept apart, as in torchvision v2 / kornia:
 * :func:`sample_tra_params` draws the concrete magnitudes of the chosen ops into a :class:`TRAParams`;
 * :func:`apply_tra` applies a :class:`TRAParams` to images and labels.
 
-All spatial ops drawn for one sample cost **one** resampling: scaling and the three small rotations
-become one affine matrix resampled once by MONAI's ``Affine``; 90-degree rotations and mirrors are
-exact array operations. Labels are resampled with nearest neighbour, so they keep their set of values.
+* :func:`apply_tra_batch` applies the params of a whole batch ``[B, C, X, Y, Z]`` on its device;
+  :func:`apply_tra` is the same code on one sample ``[C, X, Y, Z]``.
+
+All spatial ops drawn for a sample cost **one** resampling: scaling and the three small rotations become
+one affine matrix (MONAI's convention, see :mod:`jcsaug.ops.resample`), and all samples of a batch are
+resampled by one ``grid_sample`` call per key; 90-degree rotations and mirrors are exact index ops.
+Labels are resampled with nearest neighbour, so they keep their set of values.
 """
 
 from __future__ import annotations
@@ -17,20 +21,17 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
-from monai.transforms import (
-    AdjustContrast,
-    AffineGrid,
-    GaussianSmooth,
-    ScaleIntensityFixedMean,
-    ShiftIntensity,
-)
+from monai.transforms.utils import create_rotate, create_scale
 
+from jcsaug.ops import filters, intensity
 from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL, rotation_plane
 from jcsaug.ops.catalogue import OpSpec, Series
-from jcsaug.ops.filters import log_sharpen
+from jcsaug.ops.resample import affine_grid as resample_grid
+from jcsaug.ops.resample import resample, separable_axis
 
 _THREE_BINS = ((0.0, 0.1), (0.1, 0.2), (0.2, 0.3))
 
@@ -272,103 +273,147 @@ def sample_tra_params(
     return params
 
 
-def _check_3d(img: torch.Tensor, key: str) -> None:
-    if img.ndim != 4:
-        raise ValueError(
-            f"TRA ops need channel-first 3D volumes [C, X, Y, Z]; key {key!r} has shape {tuple(img.shape)}"
-        )
+def _check_3d(img: torch.Tensor, key: str, batched: bool = False) -> None:
+    if img.ndim != (5 if batched else 4):
+        layout = "batches of 3D volumes [B, C, X, Y, Z]" if batched else "channel-first 3D volumes [C, X, Y, Z]"
+        raise ValueError(f"TRA ops need {layout}; key {key!r} has shape {tuple(img.shape)}")
+
+
+def affine_matrix(params: TRAParams) -> torch.Tensor:
+    """The sample's one affine (scaling + small rotations about the centre) as a ``[3, 3]`` float64 output ->
+    input matrix, composed as MONAI's ``AffineGrid(rotate_params=angles, scale_params=[scale] * 3)``."""
+    m = create_rotate(3, list(params.angles), backend="numpy") @ create_scale(3, [params.scale] * 3, backend="numpy")
+    return torch.as_tensor(np.asarray(m, dtype=np.float64)[:3, :3])
 
 
 def affine_grid(params: TRAParams, spatial_size: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
-    """The sample's one affine (scaling + small rotations about the centre) as a ``grid_sample`` grid.
-
-    Built once per sample with MONAI's ``AffineGrid`` and normalised as MONAI's ``Resample`` does, so
-    every image and label key of the sample reuses it (MONAI's ``Affine`` rebuilds it per call).
-    """
-    grid, _ = AffineGrid(rotate_params=list(params.angles), scale_params=[params.scale] * 3, device=device)(
-        spatial_size=list(spatial_size)
-    )
-    grid = torch.as_tensor(grid, dtype=torch.float32)
-    grid = torch.movedim(grid[[2, 1, 0]], 0, -1).unsqueeze(0).contiguous()  # [1, X, Y, Z, (z, y, x)]
-    for i, dim in enumerate(reversed(list(spatial_size))):
-        grid[..., i] *= 2.0 / max(2, dim)
-    return grid
+    """The sample's affine as a ``grid_sample`` grid ``[1, X, Y, Z, 3]`` (see :mod:`jcsaug.ops.resample`)."""
+    return resample_grid(affine_matrix(params)[None], spatial_size, device)
 
 
-def _affine_resample(
-    img: torch.Tensor, params: TRAParams, mode: str, padding_mode: str, grid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The single resampling of a sample (bilinear for images, nearest for labels)."""
-    if grid is None:
-        grid = affine_grid(params, img.shape[1:], img.device)
-    out = torch.nn.functional.grid_sample(
-        img.unsqueeze(0), grid.to(img.device), mode=mode, padding_mode=padding_mode, align_corners=False
-    )
-    return out[0]
+def _affine_resample(x: torch.Tensor, matrices: torch.Tensor, mode: str, padding_mode: str,
+                     grid: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The single resampling of a batch's key (bilinear for images, nearest for labels): one call per key."""
+    return resample(x, matrices, mode=mode, padding_mode=padding_mode, grid=grid)
 
 
 def _as_plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_tensor() if hasattr(x, "as_tensor") else x
 
 
-def apply_spatial(
-    img: torch.Tensor,
-    params: TRAParams,
+def _per_sample_rot90(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.Tensor:
+    """90-degree rotations, an index op per rotated sample (a quarter turn of a non-square plane becomes a half
+    turn: it would change the patch shape, e.g. of 128x128x8 cardiac patches, and break batching)."""
+    for i, p in enumerate(params):
+        for axis, k in p.rot90:
+            a, b = rotation_plane(axis)
+            if x.shape[a + 2] != x.shape[b + 2]:
+                k = 2
+            if not owned:
+                x, owned = x.clone(), True
+            x[i] = torch.rot90(x[i], k, dims=(a + 1, b + 1))
+    return x
+
+
+def _spatial(
+    x: torch.Tensor,
+    params: Sequence[TRAParams],
+    matrices: torch.Tensor | None,
+    affine_mask: list[bool],
     *,
     is_label: bool,
-    padding_mode: str = "zeros",
-    grid: torch.Tensor | None = None,
+    padding_mode: str,
+    grids: dict,
+    owned: bool,
 ) -> torch.Tensor:
-    """Spatial part of the cascade: affine (one resampling) -> 90-degree rotations -> (later) mirrors."""
-    if params.needs_affine:
-        img = _affine_resample(img, params, "nearest" if is_label else "bilinear", padding_mode, grid)
-    for axis, k in params.rot90:
-        a, b = rotation_plane(axis)
-        if img.shape[a + 1] != img.shape[b + 1]:
-            # a quarter turn would change the patch shape (e.g. 128x128x8 cardiac patches) and break batching;
-            # a half turn is the only multiple of 90 degrees that keeps it
-            k = 2
-        img = torch.rot90(img, k, dims=(a + 1, b + 1))
-    return img
+    """Spatial part of the cascade: affine (one resampling for the whole batch) -> 90-degree rotations."""
+    if matrices is not None:
+        shape = tuple(x.shape[2:])
+        factored = x.device.type == "cpu" and x.shape[0] == 1 and separable_axis(matrices[0]) is not None
+        if not factored:  # one grid per shape, shared by the image and label keys
+            key = (shape, x.device, x.dtype if x.is_floating_point() else torch.float32)
+            if key not in grids:
+                grids[key] = resample_grid(matrices, shape, x.device, key[2])
+            grid = grids[key]
+        else:
+            grid = None
+        mode = "nearest" if is_label else "bilinear"
+        x = intensity.select(
+            x, affine_mask, lambda t: _affine_resample(t, matrices, mode, padding_mode, grid), inplace=owned
+        )
+    return _per_sample_rot90(x, params, owned)
 
 
-def apply_flips(img: torch.Tensor, params: TRAParams) -> torch.Tensor:
-    if params.flip_axes:
-        img = torch.flip(img, dims=[a + 1 for a in params.flip_axes])
-    return img
+def _flips(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.Tensor:
+    for axis in range(3):
+        mask = [axis in p.flip_axes for p in params]
+        x = intensity.select(x, mask, partial(torch.flip, dims=[axis + 2]), inplace=owned)
+    return x
 
 
-def _low_resolution(img: torch.Tensor, zoom: float) -> torch.Tensor:
-    """Zoom down (linear) and back up (nearest), as the reference code (orders 1 then 0)."""
-    spatial = img.shape[1:]
-    small = [max(1, int(round(s * zoom))) for s in spatial]
-    x = torch.nn.functional.interpolate(img.unsqueeze(0), size=small, mode="trilinear", align_corners=False)
-    return torch.nn.functional.interpolate(x, size=list(spatial), mode="nearest").squeeze(0)
+#: the intensity ops after the noise, in the reference order: (TRAParams field, its identity value, batched op)
+_INTENSITY_STEPS = (
+    ("blur_sigma", 0.0, filters.gaussian_blur_batch),
+    ("sharpen_sigma", 0.0, filters.log_sharpen_batch),
+    ("shift", 0.0, intensity.shift),
+    ("intensity_factor", 1.0, intensity.scale),
+    ("contrast_factor", 1.0, intensity.contrast),
+    ("lowres_zoom", 1.0, intensity.low_resolution),
+    ("inverted_gamma", 1.0, intensity.inverted_gamma),
+    ("gamma", 1.0, intensity.gamma),
+)
 
 
-def apply_intensity(img: torch.Tensor, params: TRAParams) -> torch.Tensor:
+def _intensity(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.Tensor:
     """Intensity part of the cascade, in the reference order:
-    noise -> blur/sharpen -> shift/scale -> contrast -> low resolution -> inverted gamma -> gamma."""
-    if params.noise_std > 0:
-        gen = torch.Generator(device=img.device).manual_seed(params.noise_seed)
-        img = img + params.noise_std * torch.randn(img.shape, generator=gen, device=img.device, dtype=img.dtype)
-    if params.blur_sigma > 0:
-        img = _as_plain(GaussianSmooth(sigma=params.blur_sigma)(img))
-    if params.sharpen_sigma > 0:
-        img = log_sharpen(img, params.sharpen_sigma)
-    if params.shift != 0:
-        img = _as_plain(ShiftIntensity(params.shift)(img))
-    if params.intensity_factor != 1.0:
-        img = img * params.intensity_factor
-    if params.contrast_factor != 1.0:
-        img = _as_plain(ScaleIntensityFixedMean(factor=params.contrast_factor - 1.0)(img))
-    if params.lowres_zoom != 1.0:
-        img = _low_resolution(img, params.lowres_zoom)
-    if params.inverted_gamma != 1.0:
-        img = _as_plain(AdjustContrast(params.inverted_gamma, invert_image=True)(img))
-    if params.gamma != 1.0:
-        img = _as_plain(AdjustContrast(params.gamma)(img))
-    return img
+    noise -> blur/sharpen -> shift/scale -> contrast -> low resolution -> inverted gamma -> gamma.
+    Each op runs on the samples that drew it (all at once); the others are left untouched."""
+    noise, seeds = [p.noise_std for p in params], [p.noise_seed for p in params]
+    x = intensity.select(x, [v != 0.0 for v in noise], intensity.add_noise, noise, seeds, inplace=owned)
+    for name, identity, op in _INTENSITY_STEPS:
+        values = [getattr(p, name) for p in params]
+        x = intensity.select(x, [v != identity for v in values], op, values, inplace=owned)
+    return x
+
+
+def apply_tra_batch(
+    images: dict[str, torch.Tensor],
+    labels: dict[str, torch.Tensor],
+    params: Sequence[TRAParams],
+    padding_mode: str = "zeros",
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Apply each sample's drawn TRA params to a batch, on the device the tensors are on.
+
+    Inputs are ``[B, C, X, Y, Z]`` (MetaTensors are read as plain tensors), sample ``i`` gets ``params[i]``;
+    returns plain tensors: images as float32, labels in their own dtype. All samples' affines go through one
+    resampling per key (image bilinear, label nearest, see :func:`jcsaug.ops.resample.resample`); 90-degree
+    rotations and mirrors are index ops;
+    intensity ops run on the samples that drew them, vectorised over those samples. A sample whose ops
+    are all identities comes out bit for bit unchanged.
+    """
+    params = list(params)
+    affine_mask = [p.needs_affine for p in params]
+    matrices = torch.stack([affine_matrix(p) for p, m in zip(params, affine_mask) if m]) if any(affine_mask) else None
+    grids: dict = {}
+    out_images, out_labels = {}, {}
+    for key, img in images.items():
+        _check_3d(img, key, batched=True)
+        if img.shape[0] != len(params):
+            raise ValueError(f"key {key!r} holds {img.shape[0]} samples but {len(params)} TRA params were given")
+        x = _as_plain(img)
+        owned = x.shape[0] > 1  # a batch: one float32 copy, then every op writes its samples in place
+        x = x.float().clone() if owned and x.dtype == torch.float32 else x.float()
+        x = _spatial(x, params, matrices, affine_mask, is_label=False, padding_mode=padding_mode, grids=grids,
+                     owned=owned)  # fmt: skip
+        out_images[key] = _flips(_intensity(x, params, owned), params, owned)
+    for key, lab in labels.items():
+        _check_3d(lab, key, batched=True)
+        x = _as_plain(lab)
+        dtype, owned = x.dtype, x.shape[0] > 1
+        x = x.float().clone() if owned and x.dtype == torch.float32 else x.float()
+        x = _spatial(x, params, matrices, affine_mask, is_label=True, padding_mode="zeros", grids=grids, owned=owned)
+        out_labels[key] = _flips(x, params, owned).to(dtype)
+    return out_images, out_labels
 
 
 def apply_tra(
@@ -377,36 +422,20 @@ def apply_tra(
     params: TRAParams,
     padding_mode: str = "zeros",
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Apply drawn TRA params to images (spatial + intensity) and labels (spatial, nearest).
+    """Apply drawn TRA params to one sample's images (spatial + intensity) and labels (spatial, nearest).
 
-    Inputs are channel-first ``[C, X, Y, Z]`` tensors (MetaTensors are read as plain tensors);
-    returns plain tensors.
+    Inputs are channel-first ``[C, X, Y, Z]`` tensors (MetaTensors are read as plain tensors); returns plain
+    tensors. The same code as :func:`apply_tra_batch`, on a batch of one.
     """
-    out_images, out_labels = {}, {}
-    grids: dict[tuple, torch.Tensor] = {}  # one grid per spatial shape (normally one per sample)
-
-    def grid_for(x: torch.Tensor) -> torch.Tensor | None:
-        if not params.needs_affine:
-            return None
-        shape = tuple(x.shape[1:])
-        if shape not in grids:
-            grids[shape] = affine_grid(params, shape, x.device)
-        return grids[shape]
-
-    for key, img in images.items():
-        _check_3d(img, key)
-        x = _as_plain(img).float()
-        x = apply_spatial(x, params, is_label=False, padding_mode=padding_mode, grid=grid_for(x))
-        x = apply_intensity(x, params)
-        out_images[key] = apply_flips(x, params)
-    for key, lab in labels.items():
-        _check_3d(lab, key)
-        x = _as_plain(lab)
-        dtype = x.dtype
-        x = x.float()
-        x = apply_spatial(x, params, is_label=True, padding_mode="zeros", grid=grid_for(x))
-        out_labels[key] = apply_flips(x, params).to(dtype)
-    return out_images, out_labels
+    for key, x in {**images, **labels}.items():
+        _check_3d(x, key)
+    out_images, out_labels = apply_tra_batch(
+        {k: _as_plain(v)[None] for k, v in images.items()},
+        {k: _as_plain(v)[None] for k, v in labels.items()},
+        [params],
+        padding_mode,
+    )
+    return {k: v[0] for k, v in out_images.items()}, {k: v[0] for k, v in out_labels.items()}
 
 
 def tra_catalogue_json(series: Sequence[Series] = TRA_SERIES) -> list[dict]:

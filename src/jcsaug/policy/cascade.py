@@ -1,4 +1,4 @@
-"""The learnable TRA cascade as one MONAI dictionary transform."""
+"""The learnable TRA cascade as MONAI dictionary transforms: per sample (DataLoader workers) or per batch (device)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.transforms import MapTransform, Randomizable
 
-from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, replace_series_op, sample_tra_params
+from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, apply_tra_batch, replace_series_op, sample_tra_params
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.transforms import DEFAULT_GROUP_KEY, _group_of
 
@@ -33,6 +33,14 @@ def _rewrap(out: torch.Tensor, src: object) -> torch.Tensor:
         wrapped.is_batch = src.is_batch
         return wrapped
     return _plain(out)  # plain in, plain out (MONAI's intensity transforms may return MetaTensors)
+
+
+def _check_tra_policy(policy: CategoricalPolicy, name: str) -> None:
+    if policy.series_sizes != tuple(s.size for s in TRA_SERIES):
+        raise ValueError(
+            f"{name} needs a policy over the 15 TRA series (sizes {[s.size for s in TRA_SERIES]}), "
+            f"got sizes {list(policy.series_sizes)}"
+        )
 
 
 class TRACascaded(Randomizable, MapTransform):
@@ -77,17 +85,13 @@ class TRACascaded(Randomizable, MapTransform):
         cf_op_key: str = DEFAULT_CF_OP_KEY,
     ) -> None:
         MapTransform.__init__(self, keys, allow_missing_keys)
+        _check_tra_policy(policy, type(self).__name__)
         if int(counterfactuals) < 0:
             raise ValueError(f"counterfactuals must be >= 0, got {counterfactuals}")
         self.counterfactuals = int(counterfactuals)
         self.cf_op_key = cf_op_key
         # every non-identity op of every series as (series, op): the copies draw uniformly from this list
         self._explorable = [(s, j) for s, series in enumerate(TRA_SERIES) for j in range(1, series.size)]
-        if policy.series_sizes != tuple(s.size for s in TRA_SERIES):
-            raise ValueError(
-                f"TRACascaded needs a policy over the 15 TRA series (sizes {[s.size for s in TRA_SERIES]}), "
-                f"got sizes {list(policy.series_sizes)}"
-            )
         self.policy = policy
         self.label_keys = [label_keys] if isinstance(label_keys, str) else list(label_keys)
         self.group_key = group_key
@@ -126,5 +130,109 @@ class TRACascaded(Randomizable, MapTransform):
             d[self.cf_op_key] = torch.tensor([[s, j] for s, j, _ in counterfactuals], dtype=torch.long)
         for k, v in {**out_images, **out_labels}.items():
             d[k] = _rewrap(v, d[k])
+        d[self.op_key] = torch.as_tensor(choices, dtype=torch.long)
+        return d
+
+
+class BatchTRACascaded(TRACascaded):
+    """:class:`TRACascaded` on a collated batch ``[B, C, X, Y, Z]``, on the device its tensors are on.
+
+    Put it after the DataLoader (e.g. :class:`jcsaug.engine.DeviceAugmentation` runs it on every training
+    batch of an Ignite engine, or call it on the batch in your own loop). Each sample's 15 ops are drawn from
+    the shared policy for its class group exactly as :class:`TRACascaded` draws them (same calls on the same
+    kind of seeded stream, in sample order), so ``op_key`` holds the same ``[B, 15]`` record and the policy
+    updaters need no change. All samples' scalings and small rotations are resampled by one ``grid_sample``
+    call per key (image bilinear, label nearest), 90-degree rotations and mirrors are index ops, and the
+    intensity ops run vectorised over the samples that drew them; a sample that drew identities only is
+    returned bit for bit.
+
+    Args:
+        keys: image keys.
+        policy: a :class:`CategoricalPolicy` with the 15 TRA series (kept on the CPU).
+        label_keys: label keys (spatial ops only, nearest neighbour; values preserved).
+        group_key: key of the class groups ``[B]`` (from :class:`~jcsaug.policy.ClassGroupd` in the workers);
+            ignored by a 1-group policy.
+        op_key: where the chosen op indices ``[B, 15]`` are stored.
+        padding_mode: padding of the affine resampling for images (labels pad with 0).
+        device: move the image and label tensors there first (``None``: leave them where they are).
+        counterfactuals: K copies of every sample for the paired TRA estimator, as :class:`TRACascaded` makes
+            them (``key + "_cf"``: ``[B, K, C, X, Y, Z]``; ``cf_op_key``: ``[B, K, 2]``); all B x K copies are
+            augmented by the same batched calls, drawn after the B samples' own ops.
+        cf_op_key: where the counterfactual (series, op) pairs are stored.
+    """
+
+    def __init__(
+        self,
+        keys: KeysCollection,
+        policy: CategoricalPolicy,
+        label_keys: KeysCollection = (),
+        group_key: str | None = DEFAULT_GROUP_KEY,
+        op_key: str = DEFAULT_OP_KEY,
+        padding_mode: str = "zeros",
+        device: torch.device | str | None = None,
+        allow_missing_keys: bool = False,
+        counterfactuals: int = 0,
+        cf_op_key: str = DEFAULT_CF_OP_KEY,
+    ) -> None:
+        super().__init__(
+            keys, policy, label_keys, group_key, op_key, padding_mode, allow_missing_keys, counterfactuals, cf_op_key
+        )
+        self.device = None if device is None else torch.device(device)
+
+    def _groups(self, d: Mapping, batch: int) -> list[int]:
+        if self.policy.num_groups == 1 or self.group_key is None:
+            return [0] * batch
+        if self.group_key not in d:
+            raise KeyError(
+                f"class group key {self.group_key!r} missing from the batch; put ClassGroupd in the worker pipeline"
+            )
+        groups = torch.as_tensor(d[self.group_key]).reshape(-1).tolist()
+        if len(groups) != batch:
+            raise ValueError(f"{len(groups)} class groups in {self.group_key!r} for a batch of {batch}")
+        return [int(g) for g in groups]
+
+    def randomize(self, groups: list[int]) -> tuple[np.ndarray, list[TRAParams]]:
+        choices, params = [], []
+        for g in groups:  # the per-sample cascade's calls, sample by sample
+            c = self.policy.sample_ops(g, self.R)
+            choices.append(c)
+            params.append(sample_tra_params(c, self.R))
+        return np.stack(choices) if choices else np.zeros((0, len(TRA_SERIES)), np.int64), params
+
+    def __call__(self, data: Mapping) -> dict:
+        d = dict(data)
+        if self.op_key in d:
+            raise ValueError(
+                f"the batch already holds TRA choices {self.op_key!r}: augment in the workers (TRACascaded) or on "
+                "the device (BatchTRACascaded), not both"
+            )
+        image_keys = list(self.key_iterator(d))
+        labels = [k for k in self.label_keys if k in d or not self.allow_missing_keys]
+        missing = [k for k in labels if k not in d]
+        if missing:
+            raise KeyError(f"BatchTRACascaded: label key(s) {missing} not in data (keys: {list(d)})")
+        if not image_keys and not labels:
+            raise KeyError(f"BatchTRACascaded: none of the keys {list(self.keys)} is in the batch (keys: {list(d)})")
+        batch = int(d[(image_keys + labels)[0]].shape[0])
+        choices, params = self.randomize(self._groups(d, batch))
+
+        def to_device(x: torch.Tensor) -> torch.Tensor:
+            return x if self.device is None else x.to(self.device, non_blocking=True)
+
+        images, label_tensors = {k: to_device(d[k]) for k in image_keys}, {k: to_device(d[k]) for k in labels}
+        if self.counterfactuals:  # after all samples' own draws: the samples themselves are drawn as without copies
+            copies = [self.randomize_counterfactuals(c, p) for c, p in zip(choices, params)]
+            k = self.counterfactuals
+            cf_images, cf_labels = apply_tra_batch(
+                {key: x.repeat_interleave(k, dim=0) for key, x in images.items()},
+                {key: x.repeat_interleave(k, dim=0) for key, x in label_tensors.items()},
+                [p for sample in copies for _, _, p in sample], self.padding_mode,
+            )  # fmt: skip
+            for key, x in {**cf_images, **cf_labels}.items():
+                d[key + COUNTERFACTUAL_SUFFIX] = _plain(x).reshape(batch, k, *x.shape[1:])
+            d[self.cf_op_key] = torch.tensor([[[s, j] for s, j, _ in sample] for sample in copies], dtype=torch.long)
+        out_images, out_labels = apply_tra_batch(images, label_tensors, params, self.padding_mode)
+        for key, v in {**out_images, **out_labels}.items():
+            d[key] = _rewrap(v, d[key])
         d[self.op_key] = torch.as_tensor(choices, dtype=torch.long)
         return d

@@ -72,13 +72,11 @@ class CategoricalPolicy(nn.Module):
     def probabilities(self) -> list[torch.Tensor]:
         """Current probabilities, one ``[num_groups, n]`` tensor per series (detached)."""
         # numpy: tiny arrays, and no wake-up of torch's intra-op thread pool on a busy machine
-        logits = self.logits.detach().double().numpy()
-        out = []
-        for s in range(self.num_series):
-            z = logits[:, self.offsets[s] : self.offsets[s + 1]]
-            e = np.exp(z - z.max(axis=1, keepdims=True))
-            out.append(torch.from_numpy(e / e.sum(axis=1, keepdims=True)).to(self.logits.dtype))
-        return out
+        idx, valid, sizes = self._padded_index()
+        z = np.where(valid, self.logits.detach().double().numpy()[:, idx], -np.inf)  # [G, L, max_n], all series
+        e = np.exp(z - z.max(axis=2, keepdims=True))
+        p = torch.from_numpy(e / e.sum(axis=2, keepdims=True)).to(self.logits.dtype)
+        return [p[:, s, :n] for s, n in enumerate(sizes.tolist())]
 
     def set_probabilities(self, probs: Sequence[Sequence[float] | np.ndarray], floor: float = 1e-6) -> None:
         """Set logits to ``log(probs)`` in place (probabilities floored at ``floor`` and renormalised)."""
@@ -147,7 +145,21 @@ class CategoricalPolicy(nn.Module):
             raise ValueError(f"{groups.shape[0]} class groups for a batch of {choices.shape[0]} choices")
         if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= self.num_groups):
             raise ValueError(f"class groups {groups.unique().tolist()} out of range [0, {self.num_groups})")
+        bad = (choices < NOT_APPLIED) | (choices >= torch.tensor(self.series_sizes))
+        if bad.any():
+            i, s = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(
+                f"op index {int(choices[i, s])} of sample {i} out of range for series {self.series_names[s]!r} "
+                f"({self.series_sizes[s]} choices; {NOT_APPLIED} = not applied)"
+            )
         return choices, groups
+
+    def _padded_logits(self, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Differentiable logits ``[B, L, max_n]`` of the samples' groups (``-inf`` past each series' size), and
+        the validity mask ``[L, max_n]``: every series at once."""
+        idx, valid, _ = self._padded_index()
+        valid_t = torch.from_numpy(valid)
+        return self.logits[groups][:, torch.from_numpy(idx)].masked_fill(~valid_t, float("-inf")), valid_t
 
     def series_weights(
         self,
@@ -158,20 +170,16 @@ class CategoricalPolicy(nn.Module):
         """Per-series straight-through weights ``[B, L]`` for recorded choices (conditional Gumbel).
 
         Each entry is exactly 1 in value; its gradient reaches the logits of the sample's class group.
-        A recorded index of ``NOT_APPLIED`` (-1) gives a constant weight 1.
+        A recorded index of ``NOT_APPLIED`` (-1) gives a constant weight 1. All series of all samples are
+        re-sampled in one vectorised call.
         """
         if groups is None:
             groups = torch.zeros(len(choices), dtype=torch.long)
         choices, groups = self._check_batch(choices, groups)
-        columns = []
-        for s in range(self.num_series):
-            idx = choices[:, s]
-            applied = idx != NOT_APPLIED
-            logits = self.series_logits(s)[groups]
-            s_soft = conditional_gumbel_softmax(logits, idx.clamp(min=0), generator)
-            w = straight_through_weight(s_soft, idx.clamp(min=0))
-            columns.append(torch.where(applied, w, torch.ones_like(w).detach()))
-        return torch.stack(columns, dim=1)
+        logits, _ = self._padded_logits(groups)
+        index = choices.clamp(min=0)
+        w = straight_through_weight(conditional_gumbel_softmax(logits, index, generator), index)
+        return torch.where(choices != NOT_APPLIED, w, torch.ones_like(w).detach())
 
     def drawn_mask(self, choices: torch.Tensor, groups: torch.Tensor | None = None) -> torch.Tensor:
         """``[num_groups, num_logits]`` bool: which (group, op) pairs were drawn by some sample."""
@@ -200,12 +208,8 @@ class CategoricalPolicy(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw ops in the main process: returns ``(choices [B, L], series_weights [B, L])``."""
         groups = torch.as_tensor(groups, dtype=torch.long).reshape(-1)
-        idx, ws = [], []
-        for s in range(self.num_series):
-            k, soft = gumbel_softmax(self.series_logits(s)[groups], generator)
-            idx.append(k)
-            ws.append(straight_through_weight(soft, k))
-        return torch.stack(idx, dim=1), torch.stack(ws, dim=1)
+        index, soft = gumbel_softmax(self._padded_logits(groups)[0], generator)
+        return index, straight_through_weight(soft, index)
 
     # ------------------------------------------------------------------ export
     def to_dict(self) -> dict:

@@ -22,7 +22,9 @@ def gumbel_noise(shape: torch.Size, like: torch.Tensor, generator: torch.Generat
 
 
 def gumbel_softmax(logits: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample ``j* = argmax_j softmax(p + g)``; returns ``(index [...], s [..., n])`` (s differentiable)."""
+    """Sample ``j* = argmax_j softmax(p + g)``; returns ``(index [...], s [..., n])`` (s differentiable).
+
+    ``-inf`` logits mark choices that do not exist (never drawn, probability 0)."""
     g = gumbel_noise(logits.shape, logits, generator).to(logits.dtype)
     s = torch.softmax(logits + g, dim=-1)
     return s.detach().argmax(dim=-1), s
@@ -39,7 +41,7 @@ def conditional_gumbel_softmax(
     gradient of ``s`` with respect to ``p`` is that of ordinary Gumbel-softmax.
 
     Args:
-        logits: ``[..., n]``.
+        logits: ``[..., n]``; ``-inf`` marks choices that do not exist (padding of series of different sizes).
         index: ``[...]`` integer choices in ``[0, n)``.
     """
     if index.shape != logits.shape[:-1]:
@@ -55,7 +57,7 @@ def conditional_gumbel_softmax(
         # z_j = -log(exp(-top) + exp(-a_j) * E_j), E_j = -log U_j ~ Exp(1), in log-space for stability
         z = -torch.logaddexp(-top.expand_as(a), -a + torch.log(-torch.log(u)))
         z = z.scatter(-1, k, top)
-        g = (z - a).to(logits.dtype)
+        g = torch.where(torch.isfinite(a), z - a, 0.0).to(logits.dtype)
     return torch.softmax(logits + g, dim=-1)
 
 
