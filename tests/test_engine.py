@@ -23,7 +23,8 @@ from jcsaug.engine import (
 )
 from jcsaug.policy import make_tea_policy, make_tra_policy
 
-pytestmark = pytest.mark.method  # part of the mutation run's test set (tests/README.md)
+# the mutation run's test set (tests/README.md): every test here but the DynUNet regression at the end (slow)
+method = pytest.mark.method
 
 
 def _val_gradient(net, batch):
@@ -31,6 +32,7 @@ def _val_gradient(net, batch):
     return dict(zip([n for n, _ in net.named_parameters()], torch.autograd.grad(loss, list(net.parameters()))))
 
 
+@method
 def test_jvp_agrees_with_finite_difference():
     net = tiny_unet()
     train = lesion_batch(6, seed=1)
@@ -42,6 +44,7 @@ def test_jvp_agrees_with_finite_difference():
     assert (fd != 0).all()
 
 
+@method
 def test_normalisation_centres_per_group_and_divides_by_frequency():
     g = torch.tensor([1.0, 3.0, 10.0, 20.0, 30.0])
     groups = torch.tensor([0, 0, 1, 1, 1])
@@ -75,6 +78,7 @@ def _run_updates(engine_kind: str, iterations: int = 3, **tra_kwargs):
     return tra_updater, tea_updater, engine
 
 
+@method
 def test_handlers_update_policies_alike_on_both_engines():
     """MONAI's SupervisedTrainer (which decollates its batches) and a plain Ignite engine running the same step on
     the same data give the same policies, and both learned something."""
@@ -97,6 +101,7 @@ def _drawn_by_hand(choices: torch.Tensor, groups: torch.Tensor, offsets: tuple[i
     return mask
 
 
+@method
 def test_ops_not_drawn_get_no_gradient_and_drawn_ones_one_adam_step():
     tra_updater, tea_updater, engine = _run_updates("ignite", iterations=1)
     batch = engine.state.batch
@@ -113,6 +118,7 @@ def test_ops_not_drawn_get_no_gradient_and_drawn_ones_one_adam_step():
     assert 1 <= tea_drawn.sum() <= 4  # at most Z = 4 ops drawn
 
 
+@method
 def test_checkpoint_round_trip_restores_policies_and_optimisers(tmp_path):
     tra_updater, tea_updater, engine = _run_updates("ignite", iterations=2)
     save_dict = {"tra": tra_updater, "tea": tea_updater}
@@ -135,6 +141,7 @@ def _zero_loss(logits, label):
     return (logits * 0).flatten(1).sum(1)  # L_val independent of the parameters: v = 0
 
 
+@method
 @pytest.mark.parametrize(
     "case, expected",
     [
@@ -171,6 +178,7 @@ def test_bad_updates_are_skipped_with_one_warning(case, expected):
     assert all(torch.isfinite(p).all() for p in net.parameters())
 
 
+@method
 def test_tea_update_skips_without_foreground():
     net = tiny_unet()
     tea = make_tea_policy()
@@ -183,6 +191,7 @@ def test_tea_update_skips_without_foreground():
     assert updater.updates == 0
 
 
+@method
 def test_bad_arguments():
     net, tra = tiny_unet(), make_tra_policy()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -201,6 +210,7 @@ def test_bad_arguments():
         engine.run([lesion_batch(2)], max_epochs=1)
 
 
+@method
 def test_same_seed_same_policy_trajectory():
     first, _, _ = _run_updates("ignite", iterations=2)
     second, _, _ = _run_updates("ignite", iterations=2)

@@ -7,6 +7,8 @@ from scipy import stats
 
 from jcsaug.policy.gumbel import conditional_gumbel_softmax, gumbel_softmax, straight_through_weight
 
+pytestmark = pytest.mark.method  # part of the mutation run's test set (tests/README.md)
+
 
 def test_gumbel_argmax_frequencies_match_softmax():
     logits = torch.tensor([1.0, 0.0, -1.0, 0.5, -2.0])

@@ -19,6 +19,8 @@ from jcsaug.policy import (
 )
 from jcsaug.policy.presets import NNUNET_Q, TEA_FLIP_IDS
 
+pytestmark = pytest.mark.method  # part of the mutation run's test set (tests/README.md)
+
 
 def test_tra_policy_shape_and_nnunet_init():
     policy = make_tra_policy("nnunet", num_groups=2)
