@@ -183,6 +183,26 @@ def test_series_weight_gradient_is_the_filtered_unconditional_expectation():
     assert ((unconditional - monte_carlo).abs() > 20 * tolerance).all(), (unconditional, monte_carlo)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_gumbel_draws_follow_the_seeded_generator_and_keep_the_dtype(dtype):
+    """SPEC's determinism: the same seeded generator gives the same noise (never the global RNG's)."""
+    logits = torch.tensor([[0.3, -0.2, 1.1]], dtype=dtype).expand(64, -1)
+    policy = CategoricalPolicy([3]).to(dtype)
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(len(draws))  # a different global stream each time: it must not matter
+        index, s = gumbel_softmax(logits, torch.Generator().manual_seed(3))
+        k, w = policy.gumbel_sample(torch.zeros(64, dtype=torch.long), torch.Generator().manual_seed(3))
+        weights = policy.series_weights(k, None, torch.Generator().manual_seed(4))
+        w.sum().backward()
+        weights.sum().backward()
+        draws.append((index, s.detach(), k, policy.logits.grad.clone()))
+        policy.logits.grad = None
+    for first, second in zip(*draws):
+        assert torch.equal(first, second)
+    assert draws[0][1].dtype == dtype and draws[0][3].dtype == dtype
+
+
 def _indicator_weights(policy: CategoricalPolicy):
     """``series_weights`` with value 1 and ``dw_is/dp = 1`` at (group c_i, op k_is): the update's coefficients
     reach the logits as they are."""

@@ -19,9 +19,11 @@ from jcsaug.policy import (
 )
 from jcsaug.policy.presets import NNUNET_Q, TEA_FLIP_IDS
 
-pytestmark = pytest.mark.method  # part of the mutation run's test set (tests/README.md)
+# the mutation run's test set (tests/README.md): all but the worker-process test at the end (slow, not maths)
+method = pytest.mark.method
 
 
+@method
 def test_tra_policy_shape_and_nnunet_init():
     policy = make_tra_policy("nnunet", num_groups=2)
     assert policy.logits.shape == (2, 62)
@@ -34,6 +36,7 @@ def test_tra_policy_shape_and_nnunet_init():
         np.testing.assert_allclose(probs[s][1].numpy(), expected, rtol=1e-5)
 
 
+@method
 @pytest.mark.parametrize("name", sorted(TRA_PRESETS))
 def test_every_preset_is_a_distribution(name):
     for p, series in zip(series_probs(name, TRA_SERIES), TRA_SERIES):
@@ -41,6 +44,7 @@ def test_every_preset_is_a_distribution(name):
         assert np.isclose(p.sum(), 1.0)
 
 
+@method
 def test_randaugment_puts_mass_on_one_level():
     s_probs = series_probs("randaugment-s", TRA_SERIES)
     l_probs = series_probs("randaugment-l", TRA_SERIES)
@@ -52,6 +56,7 @@ def test_randaugment_puts_mass_on_one_level():
     np.testing.assert_allclose(s_probs[blur], [0.8, 0.1, 0, 0, 0.1, 0, 0])
 
 
+@method
 def test_user_mapping_preset_and_errors():
     p = series_probs({"gamma": 0.4, "noise": [0.5, 0.5, 0, 0]}, TRA_SERIES)
     names = [s.name for s in TRA_SERIES]
@@ -66,6 +71,7 @@ def test_user_mapping_preset_and_errors():
         series_probs({"noise": [0.5, 0.5]}, TRA_SERIES)
 
 
+@method
 def test_tea_policy_init():
     policy = make_tea_policy("nnunet")
     assert policy.logits.shape == (1, 84)
@@ -77,6 +83,7 @@ def test_tea_policy_init():
         make_tea_policy("nope")
 
 
+@method
 def test_sample_ops_frequencies_match_probabilities():
     policy = CategoricalPolicy([4, 2], num_groups=2, init_probs=[[0.1, 0.2, 0.3, 0.4], [[0.9, 0.1], [0.2, 0.8]]])
     rng = np.random.RandomState(0)
@@ -86,6 +93,7 @@ def test_sample_ops_frequencies_match_probabilities():
     assert stats.chisquare(np.bincount(draws[:, 1], minlength=2), np.array([0.2, 0.8]) * n).pvalue > 1e-3
 
 
+@method
 def test_same_seed_same_ops():
     policy = make_tra_policy("uniform")
 
@@ -98,6 +106,7 @@ def test_same_seed_same_ops():
     set_determinism(None)
 
 
+@method
 def test_weights_are_one_and_reach_only_the_sample_group():
     policy = make_tra_policy("nnunet", num_groups=3)
     rng = np.random.RandomState(0)
@@ -110,6 +119,7 @@ def test_weights_are_one_and_reach_only_the_sample_group():
     assert policy.logits.grad[1:].abs().sum() == 0
 
 
+@method
 def test_not_applied_series_has_no_gradient():
     policy = CategoricalPolicy([3, 3])
     w = policy.series_weights(torch.tensor([[NOT_APPLIED, 1]]))
@@ -118,6 +128,7 @@ def test_not_applied_series_has_no_gradient():
     assert policy.logits.grad[0, 3:].abs().sum() > 0
 
 
+@method
 def test_bad_shapes_and_groups():
     policy = make_tra_policy("nnunet", num_groups=2)
     with pytest.raises(ValueError, match=r"choices must be \[batch, 15\]"):
@@ -134,6 +145,7 @@ def test_bad_shapes_and_groups():
         CategoricalPolicy([])
 
 
+@method
 def test_state_dict_is_tensors_only_and_round_trips(tmp_path):
     policy = make_tra_policy("deepmedic")
     with torch.no_grad():
