@@ -380,7 +380,7 @@ class _GivenGradient(PolicyUpdater):
         if step is None:
             raise SkipUpdate("nothing to learn this time")
         gradient, drawn = step
-        surrogate = (torch.tensor(gradient) * self.policy.logits).sum()
+        surrogate = (torch.tensor(gradient, dtype=self.policy.logits.dtype) * self.policy.logits).sum()
         self.step(engine, surrogate, None if drawn is None else torch.tensor(drawn, dtype=torch.bool)[None])
 
 
@@ -406,16 +406,25 @@ def test_policy_learning_rate_decays_polynomially():
 
 
 RANK_PLANS = {  # iteration -> (gradient, drawn mask) per rank; None: that rank skips the update
-    0: {1: ([0.5, -1.0, 2.0, 0.0, 4.0], [1, 1, 0, 1, 0]), 2: ([1.0, 0.0, 0.0, 0.0, -3.0], [0, 0, 0, 0, 1])},
-    1: {1: ([1.5, 3.0, -2.0, 0.25, 0.0], [1, 0, 0, 1, 1]), 2: None},
+    0: {
+        1: ([0.5, -1.0, 2.0, 0.0, 4.0], [1, 1, 0, 1, 0]),
+        2: ([1.0, 0.0, 0.0, 0.0, -3.0], [0, 0, 0, 0, 1]),
+        3: ([float("nan"), 0.0, 0.0, 0.0, 0.0], [1, 0, 0, 0, 0]),
+    },
+    1: {
+        1: ([1.5, 3.0, -2.0, 0.25 + 1e-12, 0.0], [1, 0, 0, 1, 1]),
+        2: None,
+        3: ([0.0, 1.0, 0.0, 0.0, 0.0], [0, 1, 0, 0, 0]),
+    },
 }
-# the mean of the contributing ranks' gradients, masked by the union of their drawn ops:
-EXPECTED_GRADIENTS = [[1.0, 1.0, 0.0, 0.125, 2.0], [0.0, 0.0, 0.0, 0.0, -3.0]]
+# the mean of the contributing ranks' gradients (summed in float64), masked by the union of their drawn ops; a
+# non-finite mean is skipped by both ranks, and no rank joins a second all-reduce for it
+EXPECTED_GRADIENTS = [[1.0, 1.0, 0.0, 0.125 + 5e-13, 2.0], [0.0, 0.0, 0.0, 0.0, -3.0]]
 
 
 def _rank_updates(rank: int) -> dict:
     """Two policy updates on this rank of a two-rank run: the gradient applied after each, and the logits."""
-    policy = CategoricalPolicy([3, 2])
+    policy = CategoricalPolicy([3, 2]).double()
     plan = RANK_PLANS[rank]
     updater = _GivenGradient(policy, lambda t: plan[t], lr=0.1, poly_power=0.0)
     engine = Engine(lambda e, b: None)
@@ -423,11 +432,15 @@ def _rank_updates(rank: int) -> dict:
     applied = []
 
     @engine.on(Events.ITERATION_COMPLETED)
-    def record(_):
-        applied.append(policy.logits.grad[0].tolist())
+    def record(engine):
+        if engine.state.iteration < 3:
+            applied.append(policy.logits.grad[0].tolist())
 
-    engine.run([0, 0], max_epochs=1)
-    return {"applied": applied, "logits": policy.logits.detach()[0].tolist(), "updates": updater.updates}
+    engine.run([0, 0, 0], max_epochs=1)
+    return {
+        "applied": applied, "logits": policy.logits.detach()[0].tolist(), "updates": updater.updates,
+        "skipped": updater.skipped,
+    }  # fmt: skip
 
 
 class _ThreadRanks:
@@ -438,12 +451,14 @@ class _ThreadRanks:
         self.local = threading.local()
         self.barrier = threading.Barrier(2, timeout=60)
         self.slots: list[torch.Tensor | None] = [None, None]
+        self.calls = [0, 0]
 
     def get_rank(self) -> int:
         return getattr(self.local, "rank", 0)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "SUM", group=None) -> torch.Tensor:
         assert op == "SUM"
+        self.calls[self.get_rank()] += 1
         self.slots[self.get_rank()] = tensor.clone()
         self.barrier.wait()
         total = self.slots[0] + self.slots[1]
@@ -477,12 +492,14 @@ def test_collective_step_applies_the_mean_of_two_ranks(monkeypatch):
     if errors:
         raise errors[0]
     _check_ranks(results)
+    assert ranks.calls == [3, 3]  # one all-reduce per update on each rank
 
 
 def _check_ranks(results: dict) -> None:
     for rank in range(2):
-        np.testing.assert_allclose(results[rank]["applied"], EXPECTED_GRADIENTS, rtol=0, atol=1e-7)
-        assert results[rank]["updates"] == 2  # rank 1 skipped its second update yet stepped with rank 0's gradient
+        np.testing.assert_allclose(results[rank]["applied"], EXPECTED_GRADIENTS, rtol=0, atol=1e-15)
+        # rank 1 skipped its second update yet stepped with rank 0's gradient; both skipped the non-finite third
+        assert results[rank]["updates"] == 2 and results[rank]["skipped"] == 1 + rank
     assert results[0]["logits"] == results[1]["logits"]
 
 
