@@ -196,6 +196,7 @@ def test_gumbel_draws_follow_the_seeded_generator_and_keep_the_dtype(dtype):
         weights = policy.series_weights(k, None, torch.Generator().manual_seed(4))
         w.sum().backward()
         weights.sum().backward()
+        policy.weights(k, None, torch.Generator().manual_seed(5)).sum().backward()
         draws.append((index, s.detach(), k, policy.logits.grad.clone()))
         policy.logits.grad = None
     for first, second in zip(*draws):
@@ -412,14 +413,14 @@ RANK_PLANS = {  # iteration -> (gradient, drawn mask) per rank; None: that rank 
         3: ([float("nan"), 0.0, 0.0, 0.0, 0.0], [1, 0, 0, 0, 0]),
     },
     1: {
-        1: ([1.5, 3.0, -2.0, 0.25 + 1e-12, 0.0], [1, 0, 0, 1, 1]),
+        1: ([1.5, 3.0, -1.0, 0.25 + 1e-12, 0.0], None),  # no mask: every op takes part
         2: None,
         3: ([0.0, 1.0, 0.0, 0.0, 0.0], [0, 1, 0, 0, 0]),
     },
 }
 # the mean of the contributing ranks' gradients (summed in float64), masked by the union of their drawn ops; a
 # non-finite mean is skipped by both ranks, and no rank joins a second all-reduce for it
-EXPECTED_GRADIENTS = [[1.0, 1.0, 0.0, 0.125 + 5e-13, 2.0], [0.0, 0.0, 0.0, 0.0, -3.0]]
+EXPECTED_GRADIENTS = [[1.0, 1.0, 0.5, 0.125 + 5e-13, 2.0], [0.0, 0.0, 0.0, 0.0, -3.0]]
 
 
 def _rank_updates(rank: int) -> dict:
