@@ -48,7 +48,7 @@ def _t(values) -> torch.Tensor:
 # a linear "network" theta . x with per-sample losses whose derivatives are known
 def squared_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``l_i = (theta . x_i - y_i)^2``: quadratic in theta, so a central difference is exact."""
-    return ((out - y) ** 2).sum(1)
+    return ((out - y) ** 2).flatten(1).sum(1)
 
 
 def cubed_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -250,19 +250,19 @@ def _expected_tra_gradient(val_x: np.ndarray, at_theta_star: bool = False) -> np
     return grad
 
 
-class _Negate:
-    """A TEA op on vector 'images': x -> -x (the label is kept)."""
+class _VolumeLinear(nn.Module):
+    """The linear model on two-voxel volumes ``[B, 1, 2, 1, 1]`` (so that TEA ops apply), output ``[B, 1, 1, 1, 1]``."""
 
-    def transform_image(self, x: torch.Tensor) -> torch.Tensor:
-        return -x
+    def __init__(self, weight: list[float]) -> None:
+        super().__init__()
+        self.lin = linear(weight)
 
-    def transform_label(self, y: torch.Tensor) -> torch.Tensor:
-        return y
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.flatten(1)).reshape(-1, 1, 1, 1, 1)
 
 
-class _Keep(_Negate):
-    def transform_image(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+def _volumes(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(len(x), 1, -1, 1, 1)
 
 
 def _sgd_engine(net: nn.Module, opt: torch.optim.Optimizer) -> Engine:
@@ -279,8 +279,8 @@ def _sgd_engine(net: nn.Module, opt: torch.optim.Optimizer) -> Engine:
 def test_tra_update_on_a_linear_model_by_hand(monkeypatch, hypergradient, joint):
     """One trainer step and one TRA update: the policy gradient equals SPEC §4 computed by hand, with the
     hypergradient taken at theta (at theta* it differs clearly). In joint mode the validation batch the TRA step
-    sees is the one transformed by the TEA policy (here: all mass on 'negate')."""
-    net = linear(THETA0)
+    sees is the one transformed by the TEA policy (here: all mass on the sagittal mirror, which swaps the voxels)."""
+    net = _VolumeLinear(THETA0)
     opt = torch.optim.SGD(net.parameters(), lr=ALPHA)
     policy = CategoricalPolicy([3, 2], num_groups=2).double()
     monkeypatch.setattr(policy, "series_weights", _indicator_weights(policy))
@@ -289,23 +289,25 @@ def test_tra_update_on_a_linear_model_by_hand(monkeypatch, hypergradient, joint)
         tea = CategoricalPolicy([2])
         with torch.no_grad():
             tea.logits.copy_(torch.tensor([[-1e4, 0.0]]))  # probability 0 of keeping the batch as it is
-        tea_kwargs = {"tea_policy": tea, "tea_ops": [_Keep(), _Negate()]}
-    val = [{"image": VAL_X, "label": VAL_Y}]
+        tea_kwargs = {"tea_policy": tea, "tea_ops": [TEA_OPS[0], TEA_OPS[38]]}
+    val = [{"image": _volumes(VAL_X), "label": _volumes(VAL_Y)}]
     updater = TRAPolicyUpdater(
         policy, net, val, opt, lr=0.1, train_loss=squared_error, val_loss=squared_error,
         hypergradient=hypergradient, seed=0, **tea_kwargs,
     )  # fmt: skip
     engine = _sgd_engine(net, opt)
     updater.attach(engine)
-    batch = {"image": TRAIN_X, "label": TRAIN_Y, "tra_ops": torch.tensor(CHOICES), "class_group": torch.tensor(GROUPS)}
+    batch = {"image": _volumes(TRAIN_X), "label": _volumes(TRAIN_Y)}
+    batch.update(tra_ops=torch.tensor(CHOICES), class_group=torch.tensor(GROUPS))
     engine.run([batch], max_epochs=1)
     assert updater.updates == 1 and updater.skipped == 0
 
-    val_x = -VAL_X.numpy() if joint else VAL_X.numpy()
+    mirrored = VAL_X.numpy()[:, ::-1]
+    val_x = mirrored if joint else VAL_X.numpy()
     expected = _expected_tra_gradient(val_x)
     np.testing.assert_allclose(policy.logits.grad.numpy(), expected, rtol=1e-8, atol=1e-12)
     at_theta_star = _expected_tra_gradient(val_x, at_theta_star=True)
-    other_batch = _expected_tra_gradient(VAL_X.numpy() if joint else -VAL_X.numpy())
+    other_batch = _expected_tra_gradient(VAL_X.numpy() if joint else mirrored)
     for wrong in (at_theta_star, other_batch):  # the test tells these apart
         assert np.abs(wrong - expected).max() > 0.2 * np.abs(expected).max()
 
