@@ -1,4 +1,4 @@
-"""Small helpers shared across the package: command-line flags and atomic file writes."""
+"""Small helpers shared across the package: command-line flags and the one atomic file write."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["as_flag", "atomic_write"]
+__all__ = ["as_flag", "atomic_write", "atomic_write_bytes", "atomic_write_text", "file_mode"]
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0", "", "none"}
@@ -28,11 +28,37 @@ def as_flag(value: object) -> bool:
     raise ValueError(f"expected a true/false flag, got {value!r}")
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], object], suffix: str = ".tmp") -> Path:
-    """Write ``path`` through ``write(temporary_path)`` and a rename, so it is never half-written.
+def file_mode() -> int:
+    """The mode a new file gets from the process umask (``0o666 & ~umask``, e.g. 0o644), as ``open`` would give it.
 
-    The temporary file sits in the same folder and ends in ``suffix`` (e.g. ``.nii.gz`` for nibabel, ``.npy``
-    for ``np.save``, which pick the format from the name); it is removed if ``write`` fails.
+    ``tempfile.mkstemp`` creates files with 0o600 whatever the umask; files written through it are given this mode.
+    """
+    umask = os.umask(0o022)  # the only portable way to read the umask is to set it; restored at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _fsync_directory(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (not possible on every platform: then a no-op)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], object], suffix: str = ".tmp") -> Path:
+    """Write ``path`` through ``write(temporary_path)``, ``fsync`` and a rename, so it is never half-written.
+
+    The one way jcsaug writes a file: the temporary file sits in the same folder and ends in ``suffix`` (e.g.
+    ``.nii.gz`` for nibabel, ``.npy`` for ``np.save``, which pick the format from the name); it is flushed to disk,
+    given the umask's usual mode (:func:`file_mode`), renamed over ``path`` and the rename made durable. If
+    ``write`` (or anything after it) fails, the temporary file is removed and ``path`` keeps its previous content.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,8 +66,25 @@ def atomic_write(path: str | Path, write: Callable[[Path], object], suffix: str 
     os.close(fd)
     try:
         write(Path(tmp))
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_directory(path.parent)
     return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` with :func:`atomic_write`."""
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` with :func:`atomic_write`."""
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data))

@@ -42,7 +42,6 @@ import gzip
 import json
 import math
 import numbers
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -51,6 +50,8 @@ import nibabel as nib
 import numpy as np
 from scipy import ndimage
 from tqdm.auto import tqdm
+
+from jcsaug.utils import atomic_write_bytes, atomic_write_text
 
 __all__ = ["SPLITS", "TARGET_SHIFTS", "make_synthetic_dataset", "shift_undoing_ops", "synthesize_case"]
 
@@ -294,9 +295,7 @@ def _write_nifti(path: Path, array: np.ndarray) -> None:
     img.header.set_xyzt_units("mm")
     img.set_qform(np.eye(4), code=1)
     img.set_sform(np.eye(4), code=1)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(gzip.compress(img.to_bytes(), compresslevel=6, mtime=0))
-    os.replace(tmp, path)
+    atomic_write_bytes(path, gzip.compress(img.to_bytes(), compresslevel=6, mtime=0))
 
 
 def _existing_matches(json_path: Path, expected: dict) -> bool | None:
@@ -414,7 +413,5 @@ def make_synthetic_dataset(
         },
         **datalist,
     }
-    tmp = json_path.with_name(f".dataset.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, json_path)
+    atomic_write_text(json_path, json.dumps(meta, indent=2) + "\n")
     return json_path

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import pickle
 import re
-import tempfile
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -26,6 +24,8 @@ from typing import Any
 
 import torch
 from monai.handlers import CheckpointSaver
+
+from jcsaug.utils import atomic_write
 
 _NUMBER = re.compile(r"=(\d+)\.pt$")
 
@@ -217,40 +217,15 @@ class SafeCheckpointLoader:
 # ------------------------------------------------------------------------------------------------ saving
 
 
-def _file_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def save_state_atomic(path: str | Path, state: Any) -> Path:
-    """``torch.save(state, path)`` through a temporary file in the same folder, ``fsync`` and ``os.replace``.
+    """``torch.save(state, path)`` through :func:`jcsaug.utils.atomic_write` (temporary file in the same folder,
+    ``fsync``, ``os.replace``): the file under ``path`` is either the previous one or the complete new one."""
 
-    The file under ``path`` is either the previous one or the complete new one, never a partial write;
-    the temporary file is removed if saving fails.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _file_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable (not supported on every platform)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError:
-        pass
-    return path
+
+    return atomic_write(path, write)
 
 
 def save_checkpoint_atomic(path: str | Path, objects: Mapping[str, Any]) -> Path:

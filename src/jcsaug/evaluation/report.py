@@ -36,7 +36,7 @@ import numpy as np
 from scipy.stats import rankdata, wilcoxon
 
 from jcsaug.evaluation.metrics import HIGHER_IS_BETTER, METRICS, nanmean
-from jcsaug.policy.io import atomic_write_text
+from jcsaug.utils import atomic_write_text
 
 PER_CASE_CSV = "per_case.csv"
 LABELS = {"dice": "DSC", "sensitivity": "Sens.", "precision": "Prec.", "hd95": "HD95"}

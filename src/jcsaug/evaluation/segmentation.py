@@ -23,8 +23,7 @@ from monai.networks.utils import one_hot
 from tqdm.auto import tqdm
 
 from jcsaug.evaluation.metrics import METRICS, case_metrics, count_statuses, nanmean, summarize_cases
-from jcsaug.policy.io import atomic_write_text
-from jcsaug.utils import as_flag
+from jcsaug.utils import as_flag, atomic_write_text
 
 CSV_COLUMNS: tuple[str, ...] = ("method", "case", "class", *METRICS, "status")
 """Columns of ``per_case.csv``: one row per method, case and foreground class."""

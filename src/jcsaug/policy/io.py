@@ -13,7 +13,7 @@ import torch
 
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
-from jcsaug.utils import atomic_write
+from jcsaug.utils import atomic_write_text
 
 FORMAT = "jcsaug-policies"
 VERSION = 1
@@ -27,11 +27,6 @@ def policies_to_dict(tra: CategoricalPolicy | None = None, tea: CategoricalPolic
         series = tea.to_dict()["groups"][0]["series"][0]["ops"]
         out["tea"] = {"ops": [{"id": i, **op} for i, op in enumerate(series)]}
     return out
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
-    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def save_policies(path: str | Path, tra: CategoricalPolicy | None = None, tea: CategoricalPolicy | None = None) -> Path:

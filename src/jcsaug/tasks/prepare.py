@@ -29,10 +29,9 @@ from monai.data import MetaTensor
 from monai.transforms import Orientation, Spacing
 from tqdm.auto import tqdm
 
-from jcsaug.policy.io import atomic_write_text
 from jcsaug.tasks.registry import get_task
 from jcsaug.tasks.spec import PrepareError, RawCase, TaskSpec
-from jcsaug.utils import atomic_write
+from jcsaug.utils import atomic_write, atomic_write_text
 
 __all__ = ["DATALIST_NAME", "prepare_case", "prepare_task"]
 

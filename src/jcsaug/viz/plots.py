@@ -79,10 +79,11 @@ def _new_figure(figsize: tuple[float, float], dpi: int, layout: str | None = "co
 
 
 def _save(fig: Any, out_png: str | Path) -> Path:
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=fig.dpi, format="png", facecolor="white")
-    return out
+    from jcsaug.utils import atomic_write  # noqa: PLC0415
+
+    return atomic_write(
+        out_png, lambda tmp: fig.savefig(tmp, dpi=fig.dpi, format="png", facecolor="white"), suffix=".png"
+    )
 
 
 # ----------------------------------------------------------------------------- inputs
