@@ -302,10 +302,10 @@ class Timers:
         setattr(owner, name, self._wrap(old, label))
         self._undo.append(lambda: setattr(owner, name, old))
 
-    def item(self, mapping: dict, key: str, label: str) -> None:
-        old = mapping[key]
-        mapping[key] = self._wrap(old, label)
-        self._undo.append(lambda: mapping.__setitem__(key, old))
+    def item(self, registry, key: str, label: str) -> None:
+        old = registry.get(key)
+        registry.register(key, self._wrap(old, label), overwrite=True)
+        self._undo.append(lambda: registry.register(key, old, overwrite=True))
 
     def restore(self) -> None:
         while self._undo:

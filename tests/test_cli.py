@@ -56,7 +56,7 @@ def test_policy_show_file(tmp_path, capsys):
 
 def test_policy_show_errors(tmp_path, capsys):
     assert main(["policy", "show", "--preset", "nope"]) == 2
-    assert "unknown policy preset 'nope'" in capsys.readouterr().err
+    assert "unknown TRA preset 'nope'" in capsys.readouterr().err
     bad = tmp_path / "p.json"
     bad.write_text('{"format": "jcsaug-policies", "tea": {"ops": [{"name": "identity", "logit": 0}]}}')
     assert main(["policy", "show", str(bad)]) == 2

@@ -63,7 +63,7 @@ def test_user_mapping_preset_and_errors():
     np.testing.assert_allclose(p[names.index("gamma")], [0.6, 0.4 / 3, 0.4 / 3, 0.4 / 3])
     np.testing.assert_allclose(p[names.index("noise")], [0.5, 0.5, 0, 0])
     np.testing.assert_allclose(p[names.index("scale")], [1, 0, 0, 0, 0, 0])  # left out: never applied
-    with pytest.raises(KeyError, match="unknown policy preset 'nnunett'"):
+    with pytest.raises(KeyError, match="unknown TRA preset 'nnunett'"):
         make_tra_policy("nnunett")
     with pytest.raises(KeyError, match="gama"):
         series_probs({"gama": 0.1}, TRA_SERIES)

@@ -10,12 +10,20 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
+from jcsaug.registry import Registry
+
+Builder = Callable[[argparse.ArgumentParser], None]
+Runner = Callable[[argparse.Namespace], int]
+
+#: sub-command name -> (argument builder, runner)
+COMMANDS: Registry[tuple[Builder, Runner]] = Registry("command")
 
 
-def command(name: str, build: Callable[[argparse.ArgumentParser], None]):
-    def register(run: Callable[[argparse.Namespace], int]):
-        COMMANDS[name] = (build, run)
+def command(name: str, build: Builder):
+    """Register the decorated runner as the sub-command ``name`` with its argument builder."""
+
+    def register(run: Runner) -> Runner:
+        COMMANDS.register(name, (build, run))
         return run
 
     return register
@@ -146,9 +154,9 @@ def _run_synthetic(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- prepare
 def _build_prepare(p: argparse.ArgumentParser) -> None:
-    from jcsaug.tasks import TASKS
+    from jcsaug.tasks import list_tasks
 
-    p.add_argument("task", choices=sorted(TASKS), help="the dataset task (one bundle per task)")
+    p.add_argument("task", choices=list_tasks(), help="the dataset task (one bundle per task)")
     p.add_argument("raw_dir", help="the dataset as published (layout: see the bundle's docs/README.md)")
     p.add_argument("--out", required=True, dest="out_dir", help="prepared dataset folder (dataset.json, images/)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random splits (default 0)")
@@ -202,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command][1](args)
+        return COMMANDS.get(args.command)[1](args)
     except BrokenPipeError:  # e.g. `jcsaug ops --tea | head`
         sys.stderr.close()
         return 0

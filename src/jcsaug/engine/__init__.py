@@ -11,11 +11,15 @@ from jcsaug.engine.device_augmentation import AUGMENT_ON, DeviceAugmentation, re
 from jcsaug.engine.distributed import rank_device, release_ddp, shutdown_distributed
 from jcsaug.engine.export import PolicyExporter
 from jcsaug.engine.hypergradient import (
+    HYPERGRADIENTS,
     finite_difference_hypergradient,
+    get_hypergradient,
     jvp_hypergradient,
+    list_hypergradients,
     normalise_hypergradient,
+    register_hypergradient,
 )
-from jcsaug.engine.losses import LOSSES, SegmentationLoss, get_loss
+from jcsaug.engine.losses import LOSSES, SegmentationLoss, get_loss, list_losses, register_loss
 from jcsaug.engine.modes import TEA_MODES, TRA_MODES, AugmentationSetup
 from jcsaug.engine.posthoc import learn_tea_posthoc
 from jcsaug.engine.resume import EpochReseeder, ResumeCheckpoint, StopAfterEpochs
@@ -25,6 +29,12 @@ from jcsaug.engine.tra_updater import TRAPolicyUpdater
 __all__ = [
     "AUGMENT_ON",
     "resolve_augment_on",
+    "HYPERGRADIENTS",
+    "get_hypergradient",
+    "list_hypergradients",
+    "list_losses",
+    "register_hypergradient",
+    "register_loss",
     "SegmentationLoss",
     "AtomicCheckpointSaver",
     "SafeCheckpointLoader",

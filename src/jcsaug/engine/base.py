@@ -7,6 +7,7 @@ import logging
 import math
 import warnings
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import ignite.distributed as idist
@@ -146,6 +147,7 @@ class PolicyUpdater(ABC):
         self.generator = torch.Generator().manual_seed(int(seed) + idist.get_rank())
         self.updates = 0
         self.skipped = 0
+        self.skip_reasons: Counter[str] = Counter()  # reason -> how many updates it skipped
         self._warned: set[str] = set()
         self.last_changes: list[tuple[str, float]] = []  # (series/op, signed change), when INFO logging is on
         self._synced = False  # whether this update has joined the ranks' all-reduce
@@ -223,6 +225,7 @@ class PolicyUpdater(ABC):
 
     def skip(self, reason: str) -> None:
         self.skipped += 1
+        self.skip_reasons[reason] += 1
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(f"{self.name} update skipped: {reason} (warned once; training goes on)", stacklevel=2)
@@ -320,6 +323,7 @@ class PolicyUpdater(ABC):
             "generator": self.generator.get_state(),
             "updates": self.updates,
             "skipped": self.skipped,
+            "skip_reasons": dict(self.skip_reasons),
         }
         if self.effects is not None:
             state["effects"] = self.effects.state_dict()
@@ -334,5 +338,6 @@ class PolicyUpdater(ABC):
         self.generator.set_state(state["generator"])
         self.updates = int(state.get("updates", 0))
         self.skipped = int(state.get("skipped", 0))
+        self.skip_reasons = Counter({str(k): int(v) for k, v in dict(state.get("skip_reasons", {})).items()})
         if self.effects is not None and "effects" in state:
             self.effects.load_state_dict(state["effects"])

@@ -7,6 +7,10 @@ With the trainer's step ``theta -> theta*`` done, and ``v = grad L_val(theta*)``
 * :func:`jvp_hypergradient` gives the same quantity exactly with one forward-mode ``torch.func.jvp``;
 * :func:`normalise_hypergradient` centres per class group and divides by the sampling frequency of
   each op per series, giving one coefficient per (sample, series).
+
+Estimators are chosen by name (the updaters' ``hypergradient`` argument, the bundles' ``hypergradient`` id):
+``register_hypergradient(name, fn)`` adds one with the signature of :func:`finite_difference_hypergradient`,
+``get_hypergradient`` / ``list_hypergradients`` look them up.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 from torch.func import functional_call, jvp
 
 from jcsaug.engine.losses import PerSampleLoss, main_output
+from jcsaug.registry import Registry
 
 
 def flat_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -103,6 +108,26 @@ def jvp_hypergradient(
     with torch.no_grad():
         _, tangent = jvp(losses, tuple(theta[k] for k in names), tuple(v[k] for k in names))
     return -lr * tangent.double() / image.shape[0]
+
+
+#: name -> estimator ``(model, theta, v, image, label, loss_fn, lr, v_norm=None) -> [n]`` of ``dL_val/dw_i``
+HYPERGRADIENTS: Registry = Registry("hypergradient estimator")
+HYPERGRADIENTS.register("finite-difference", finite_difference_hypergradient)
+HYPERGRADIENTS.register("jvp", jvp_hypergradient)
+
+
+def register_hypergradient(name: str, estimator=None, overwrite: bool = False):
+    """Make a hypergradient estimator available by name (also a decorator: ``@register_hypergradient("mine")``)."""
+    return HYPERGRADIENTS.register(name, estimator, overwrite=overwrite)
+
+
+def get_hypergradient(name: str):
+    """The estimator called ``name`` (see :func:`list_hypergradients`)."""
+    return HYPERGRADIENTS.get(name)
+
+
+def list_hypergradients() -> list[str]:
+    return HYPERGRADIENTS.names()
 
 
 def normalise_hypergradient(g: torch.Tensor, groups: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:

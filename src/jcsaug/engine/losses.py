@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from monai.losses import DiceLoss
 
 from jcsaug.networks.factory import deep_supervision_weights
+from jcsaug.registry import Registry
 
 PerSampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -50,12 +51,21 @@ def per_sample_ce_dice(logits: torch.Tensor, label: torch.Tensor) -> torch.Tenso
     return per_sample_ce(logits, label) + per_sample_dice(logits, label)
 
 
+def _loss_key(name: str) -> str:
+    """``"CE + DSC"`` -> ``"ce+dice"``: case, spaces and the paper's ``DSC`` do not matter."""
+    return name.lower().replace(" ", "").replace("dsc", "dice").replace("dicece", "ce+dice")
+
+
 #: name -> per-sample loss ``(logits [B, C, ...], label [B, 1, ...]) -> [B]``
-LOSSES: dict[str, PerSampleLoss] = {
-    "ce": per_sample_ce,
-    "dice": per_sample_dice,
-    "ce+dice": per_sample_ce_dice,
-}
+LOSSES: Registry[PerSampleLoss] = Registry("loss", normalise=_loss_key)
+LOSSES.register("ce", per_sample_ce)
+LOSSES.register("dice", per_sample_dice)
+LOSSES.register("ce+dice", per_sample_ce_dice)
+
+
+def register_loss(name: str, loss: PerSampleLoss, overwrite: bool = False) -> PerSampleLoss:
+    """Make a per-sample loss ``(logits, label) -> [B]`` available by name (train and validation losses)."""
+    return LOSSES.register(name, loss, overwrite=overwrite)
 
 
 def batch_dice_loss(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -84,12 +94,13 @@ BATCH_LOSSES: dict[str, Callable[[list[tuple[torch.Tensor, torch.Tensor]]], torc
 
 
 def get_loss(name: str | PerSampleLoss) -> PerSampleLoss:
-    if callable(name):
-        return name
-    key = str(name).lower().replace(" ", "").replace("dsc", "dice").replace("dicece", "ce+dice")
-    if key not in LOSSES:
-        raise KeyError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}")
-    return LOSSES[key]
+    """The per-sample loss called ``name`` (``ce``, ``dice``, ``ce+dice``; ``DSC`` reads as ``dice``); a callable is
+    returned as it is."""
+    return name if callable(name) else LOSSES.get(name)
+
+
+def list_losses() -> list[str]:
+    return LOSSES.names()
 
 
 class SegmentationLoss(torch.nn.Module):

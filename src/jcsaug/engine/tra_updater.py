@@ -18,21 +18,24 @@ from jcsaug.engine.base import (
     make_prepare_batch,
     plain,
 )
-from jcsaug.engine.hypergradient import (
-    finite_difference_hypergradient,
-    flat_norm,
-    jvp_hypergradient,
-    normalise_hypergradient,
-)
+from jcsaug.engine.hypergradient import HYPERGRADIENTS, flat_norm, get_hypergradient, normalise_hypergradient
 from jcsaug.engine.losses import BATCH_LOSSES, PerSampleLoss, get_loss, main_output
 from jcsaug.engine.paired import OpEffects
 from jcsaug.ops.tea import apply_tea_ops
 from jcsaug.policy.cascade import COUNTERFACTUAL_SUFFIX, DEFAULT_CF_OP_KEY
 from jcsaug.policy.categorical import CategoricalPolicy
+from jcsaug.registry import Registry
 
-HYPERGRADIENTS = {"finite-difference": finite_difference_hypergradient, "jvp": jvp_hypergradient}
+__all__ = ["HYPERGRADIENTS", "TRA_ESTIMATORS", "TRAPolicyUpdater", "tea_transform_batch"]
+
 #: how the per-sample hypergradients become a policy gradient (see :class:`TRAPolicyUpdater`)
-TRA_ESTIMATORS = ("gumbel", "paired")
+TRA_ESTIMATORS: Registry[str] = Registry(
+    "TRA estimator",
+    {
+        "gumbel": "straight-through Gumbel weights of the drawn ops (the paper's)",
+        "paired": "each drawn op scored against its series' identity on the same patch (counterfactual copies)",
+    },
+)
 
 
 def tea_transform_batch(
@@ -94,7 +97,8 @@ class TRAPolicyUpdater(PolicyUpdater):
             match the loss the trainer minimises.
         val_loss: L_val by name (``ce``, ``dice`` — the mean of per-sample soft Dice losses —, ``ce+dice``,
             ``batch-dice`` — one soft Dice over the whole validation batch, as the reference code) or callable.
-        hypergradient: ``"finite-difference"`` (DARTS, the paper's) or ``"jvp"`` (exact, forward-mode).
+        hypergradient: estimator name (:func:`~jcsaug.engine.hypergradient.list_hypergradients`):
+            ``"finite-difference"`` (DARTS, the paper's) or ``"jvp"`` (exact, forward-mode).
         estimator: ``"gumbel"`` (the paper's) or ``"paired"`` (needs ``TRACascaded(counterfactuals=K)``).
         val_batches: validation batches per update; ``v`` is the gradient of their mean loss (a larger
             validation sample, less noise in ``v``).
@@ -123,7 +127,7 @@ class TRAPolicyUpdater(PolicyUpdater):
         update_every: int = 1,
         train_loss: str | PerSampleLoss = "ce+dice",
         val_loss: str | PerSampleLoss = "dice",
-        hypergradient: Literal["finite-difference", "jvp"] = "finite-difference",
+        hypergradient: str = "finite-difference",
         tea_policy: CategoricalPolicy | None = None,
         tea_ops: Sequence | None = None,
         op_key: str = "tra_ops",
@@ -147,10 +151,7 @@ class TRAPolicyUpdater(PolicyUpdater):
             frequency_scaling=estimator == "paired",
         )  # fmt: skip
         self.mask_undrawn = mask_undrawn
-        if hypergradient not in HYPERGRADIENTS:
-            raise KeyError(f"unknown hypergradient {hypergradient!r}; choose one of {sorted(HYPERGRADIENTS)}")
-        if estimator not in TRA_ESTIMATORS:
-            raise KeyError(f"unknown TRA estimator {estimator!r}; choose one of {list(TRA_ESTIMATORS)}")
+        TRA_ESTIMATORS.key(estimator)  # an unknown name: an error listing the valid ones
         if int(val_batches) < 1:
             raise ValueError(f"val_batches must be >= 1, got {val_batches}")
         self.estimator = estimator
@@ -168,7 +169,7 @@ class TRAPolicyUpdater(PolicyUpdater):
         self.train_loss = get_loss(train_loss)
         self.batch_val_loss = BATCH_LOSSES.get(val_loss) if isinstance(val_loss, str) else None
         self.val_loss = None if self.batch_val_loss else get_loss(val_loss)
-        self.hypergradient = HYPERGRADIENTS[hypergradient]
+        self.hypergradient = get_hypergradient(hypergradient)
         self.tea_policy = tea_policy
         if tea_policy is not None and tea_ops is None:
             from jcsaug.ops.tea import TEA_OPS

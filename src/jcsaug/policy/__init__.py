@@ -4,7 +4,18 @@ from jcsaug.policy.cascade import BatchTRACascaded, TRACascaded
 from jcsaug.policy.categorical import NOT_APPLIED, CategoricalPolicy
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
 from jcsaug.policy.gumbel import conditional_gumbel_softmax, gumbel_softmax, straight_through_weight
-from jcsaug.policy.presets import TEA_PRESETS, TRA_PRESETS, series_probs, tea_probs
+from jcsaug.policy.presets import (
+    TEA_PRESETS,
+    TRA_PRESETS,
+    get_tea_preset,
+    get_tra_preset,
+    list_tea_presets,
+    list_tra_presets,
+    register_tea_preset,
+    register_tra_preset,
+    series_probs,
+    tea_probs,
+)
 from jcsaug.policy.transforms import ClassGroupd, LearnableOneOfd, centre_class
 
 __all__ = [
@@ -18,9 +29,15 @@ __all__ = [
     "TRACascaded",
     "centre_class",
     "conditional_gumbel_softmax",
+    "get_tea_preset",
+    "get_tra_preset",
     "gumbel_softmax",
+    "list_tea_presets",
+    "list_tra_presets",
     "make_tea_policy",
     "make_tra_policy",
+    "register_tea_preset",
+    "register_tra_preset",
     "series_probs",
     "straight_through_weight",
     "tea_probs",

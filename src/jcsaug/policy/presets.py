@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from jcsaug.ops.catalogue import Series
+from jcsaug.registry import Registry
 
 _SERIES_ORDER = (
     "scale", "rotate_frontal", "rotate_sagittal", "rotate_longitudinal",
@@ -70,17 +71,34 @@ def _randaugment(which: str) -> Callable[[Sequence[Series]], list[np.ndarray]]:
     return build
 
 
+PresetBuilder = Callable[[Sequence[Series]], list[np.ndarray]]
+
 #: TRA preset name -> builder of per-series probabilities.
-TRA_PRESETS: dict[str, Callable[[Sequence[Series]], list[np.ndarray]]] = {
-    "nnunet": _q_preset(NNUNET_Q),
-    "deepmedic": _q_preset(DEEPMEDIC_Q),
-    "uniform": _uniform,
-    "all-0.1": _q_preset(0.1),
-    "all-0.05": _q_preset(0.05),
-    "randaugment-s": _randaugment("s"),
-    "randaugment-m": _randaugment("m"),
-    "randaugment-l": _randaugment("l"),
-}
+TRA_PRESETS: Registry[PresetBuilder] = Registry("TRA preset")
+for _name, _builder in (
+    ("nnunet", _q_preset(NNUNET_Q)),
+    ("deepmedic", _q_preset(DEEPMEDIC_Q)),
+    ("uniform", _uniform),
+    ("all-0.1", _q_preset(0.1)),
+    ("all-0.05", _q_preset(0.05)),
+    ("randaugment-s", _randaugment("s")),
+    ("randaugment-m", _randaugment("m")),
+    ("randaugment-l", _randaugment("l")),
+):
+    TRA_PRESETS.register(_name, _builder)
+
+
+def register_tra_preset(name: str, builder: PresetBuilder, overwrite: bool = False) -> PresetBuilder:
+    """Make ``builder(series) -> [probabilities per series]`` available as a TRA preset name."""
+    return TRA_PRESETS.register(name, builder, overwrite=overwrite)
+
+
+def get_tra_preset(name: str) -> PresetBuilder:
+    return TRA_PRESETS.get(name)
+
+
+def list_tra_presets() -> list[str]:
+    return TRA_PRESETS.names()
 
 
 def series_probs(preset: str | Mapping[str, float | Sequence[float]], series: Sequence[Series]) -> list[np.ndarray]:
@@ -92,9 +110,7 @@ def series_probs(preset: str | Mapping[str, float | Sequence[float]], series: Se
     ``{"base": "nnunet", "rotate_frontal": [0.5, 0, 0, 0, 0.5]}``).
     """
     if isinstance(preset, str):
-        if preset not in TRA_PRESETS:
-            raise KeyError(f"unknown policy preset {preset!r}; choose one of {sorted(TRA_PRESETS)} or a mapping")
-        return TRA_PRESETS[preset](series)
+        return get_tra_preset(preset)(series)
     if not isinstance(preset, Mapping):
         raise TypeError(f"preset must be a name or a mapping of series -> probability, got {type(preset).__name__}")
     preset = dict(preset)
@@ -125,21 +141,38 @@ def series_probs(preset: str | Mapping[str, float | Sequence[float]], series: Se
 #: three single mirrors, mirroring all three axes, and the three 180-degree rotations (double flips).
 TEA_FLIP_IDS = (0, 15, 24, 33, 38, 39, 40, 41)
 
-TEA_PRESETS = ("nnunet", "uniform")
+
+def _tea_nnunet(num_ops: int) -> np.ndarray:
+    favoured = [i for i in TEA_FLIP_IDS if i < num_ops]
+    p = np.full(num_ops, 0.2 / max(num_ops - len(favoured), 1))
+    p[favoured] = 0.1
+    return p / p.sum()
+
+
+#: TEA preset name -> builder ``num_ops -> probabilities``.
+TEA_PRESETS: Registry[Callable[[int], np.ndarray]] = Registry("TEA preset")
+TEA_PRESETS.register("nnunet", _tea_nnunet)
+TEA_PRESETS.register("uniform", lambda num_ops: np.full(num_ops, 1.0 / num_ops))
+
+
+def register_tea_preset(name: str, builder: Callable[[int], np.ndarray], overwrite: bool = False):
+    """Make ``builder(num_ops) -> probabilities`` available as a TEA preset name."""
+    return TEA_PRESETS.register(name, builder, overwrite=overwrite)
+
+
+def get_tea_preset(name: str) -> Callable[[int], np.ndarray]:
+    return TEA_PRESETS.get(name)
+
+
+def list_tea_presets() -> list[str]:
+    return TEA_PRESETS.names()
 
 
 def tea_probs(preset: str | Sequence[float] = "nnunet", num_ops: int = 84) -> np.ndarray:
     """Initial TEA probabilities: ``nnunet`` gives the 8 flip combinations 0.1 each and shares 0.2
     among the others; ``uniform``; or an explicit vector."""
     if isinstance(preset, str):
-        if preset == "uniform":
-            return np.full(num_ops, 1.0 / num_ops)
-        if preset == "nnunet":
-            favoured = [i for i in TEA_FLIP_IDS if i < num_ops]
-            p = np.full(num_ops, 0.2 / max(num_ops - len(favoured), 1))
-            p[favoured] = 0.1
-            return p / p.sum()
-        raise KeyError(f"unknown TEA preset {preset!r}; choose one of {list(TEA_PRESETS)} or a vector")
+        return get_tea_preset(preset)(num_ops)
     p = np.asarray(preset, dtype=np.float64)
     if p.shape != (num_ops,) or (p < 0).any() or p.sum() <= 0:
         raise ValueError(f"TEA probabilities must be {num_ops} non-negative numbers")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jcsaug.tasks.prepare import DATALIST_NAME, prepare_case, prepare_task
-from jcsaug.tasks.registry import TASKS, get_task
+from jcsaug.tasks.registry import TASKS, get_task, list_tasks, register_task
 from jcsaug.tasks.settings import load_split, paper_setting
 from jcsaug.tasks.spec import PrepareError, RawCase, TaskSpec
 
@@ -14,8 +14,10 @@ __all__ = [
     "TASKS",
     "TaskSpec",
     "get_task",
+    "list_tasks",
     "load_split",
     "paper_setting",
     "prepare_case",
     "prepare_task",
+    "register_task",
 ]

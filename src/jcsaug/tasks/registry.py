@@ -1,12 +1,18 @@
-"""The paper's six dataset tasks (SPEC §6, DATASETS.md) by name: :data:`TASKS` and :func:`get_task`."""
+"""The paper's six dataset tasks (SPEC §6, DATASETS.md) by name: ``register_task``, ``get_task``, ``list_tasks``.
+
+Everything the bundles need to know about a task lives here, in its :class:`TaskSpec`: classes, spacing, raw
+layout, split rule, and the paper's training settings (L_val and beta per network and training fraction, patch
+sizes, epochs, whether the final models train on training + validation cases).
+"""
 
 from __future__ import annotations
 
+from jcsaug.registry import Registry
 from jcsaug.tasks import layouts
 from jcsaug.tasks.spec import PrepareError, RawCase, TaskSpec
 from jcsaug.tasks.splits import half_subset, ordered_split, random_split
 
-__all__ = ["TASKS", "get_task"]
+__all__ = ["TASKS", "get_task", "list_tasks", "register_task"]
 
 
 def _random_rule(train: int, val: int, test: int, half: int | None = None):
@@ -68,109 +74,141 @@ BTCV_ORGANS = {
     11: "pancreas", 12: "right adrenal gland", 13: "left adrenal gland",
 }  # fmt: skip
 CARDIAC = {0: "background", 1: "LV blood pool", 2: "LV myocardium", 3: "RV blood pool"}
+#: the paper's cardiac MR patches: thin in the slice direction (UNETR needs multiples of 16)
+CARDIAC_PATCHES = {"unet3d": (128, 128, 8), "transformer": (128, 128, 16)}
 
-TASKS: dict[str, TaskSpec] = {
-    spec.name: spec
-    for spec in (
-        TaskSpec(
-            name="atlas_stroke",
-            title="ATLAS v2.0 T1 MR chronic stroke lesions",
-            modality="MR",
-            labels={0: "background", 1: "lesion"},
-            spacing=(1.0, 1.0, 1.0),
-            orientation="RAS",
-            find_cases=layouts.find_atlas,
-            layout="ATLAS_2/Training/R*/sub-*/ses-1/anat/*_T1w.nii.gz + *_label-L_desc-T1lesion_mask.nii.gz",
-            assign_splits=_random_rule(145, 31, 44, half=73),
-            report_classes={"lesion": (1,)},
-            source="https://fcon_1000.projects.nitrc.org/indi/retro/atlas.html (ATLAS R2.0, after accepting the terms)",
-        ),
-        TaskSpec(
-            name="kits19_tumor",
-            title="KiTS19 contrast CT, kidney and tumour",
-            modality="CT",
-            labels={0: "background", 1: "kidney", 2: "tumour"},
-            spacing=(1.6, 1.6, 3.2),
-            orientation="RAS",
-            find_cases=layouts.find_kits19,
-            layout="kits19/data/case_XXXXX/imaging.nii.gz + segmentation.nii.gz",
-            assign_splits=_random_rule(140, 28, 42, half=70),
-            report_classes={"tumour": (2,)},
-            source="https://github.com/neheller/kits19 (python -m starter_code.get_imaging)",
-        ),
-        TaskSpec(
-            name="btcv_abdomen",
-            title="BTCV abdominal CT, 13 organs",
-            modality="CT",
-            labels=BTCV_ORGANS,
-            spacing=(1.6, 1.6, 3.2),
-            orientation="RAS",
-            find_cases=layouts.find_btcv,
-            layout="Abdomen/RawData/Training/img/img00NN.nii.gz + Training/label/label00NN.nii.gz",
-            assign_splits=_random_rule(20, 4, 6),
-            report_classes={"rare organs": (4, 5, 8, 9, 10, 11, 12, 13)},
-            source="https://www.synapse.org/#!Synapse:syn3193805 (Synapse account, join the challenge)",
-        ),
-        TaskSpec(
-            name="prostate_crosssite",
-            title="prostate T2 MR, site A (BMC, 1.5T) -> site B (I2CVB, 3T)",
-            modality="MR",
-            labels={0: "background", 1: "prostate"},
-            spacing=(0.8, 0.8, 1.5),
-            orientation="RAS",
-            find_cases=layouts.find_prostate,
-            layout="Processed_data_nii/{BMC,I2CVB}/CaseNN.nii.gz + CaseNN_segmentation.nii.gz (BMC: _Segmentation)",
-            assign_splits=_cross_domain_rule(
-                layouts.PROSTATE_SOURCE,
-                layouts.PROSTATE_TARGET,
-                {"training": 20, "test_source": 6},
-                {"validation": 1, "test": 18},
-                random_target=False,  # the reference lists: I2CVB Case00 validates
-            ),
-            report_classes={"prostate": (1,)},
-            label_map={0: 0, 1: 1, 2: 1},  # some masks contain 2 (SAML maps 2 -> 1)
-            copy_image_geometry_to_label=True,
-            source="https://liuquande.github.io/SAML/ (Processed_data_nii)",
-        ),
-        TaskSpec(
-            name="cardiac_crosssequence",
-            title="MS-CMRSeg 2019 cardiac MR, bSSFP -> LGE",
-            modality="MR",
-            labels=CARDIAC,
-            spacing=(1.25, 1.25, 0.0),  # in-plane only: slices stay as acquired
-            orientation=None,
-            find_cases=layouts.find_mscmrseg,
-            layout="patientN_{C0,LGE}.nii.gz + patientN_{C0,LGE}_manual.nii.gz anywhere below RAW_DIR",
-            assign_splits=_cross_domain_rule(
-                layouts.MSCMR_SOURCE,
-                layouts.MSCMR_TARGET,
-                {"training": 30, "test_source": 10},
-                {"validation": 1, "test": 44},
-                random_target=True,  # the paper: one LGE case, at random
-            ),
-            report_classes={"LV": (1,), "MYO": (2,), "RV": (3,)},
-            label_map={0: 0, 500: 1, 200: 2, 600: 3},
-            source="https://zmiclab.github.io/zxh/0/mscmrseg19/ (registration)",
-        ),
-        TaskSpec(
-            name="cardiac_crosssite",
-            title="M&Ms multi-vendor cardiac MR, unseen centre 5",
-            modality="MR",
-            labels=CARDIAC,
-            spacing=(1.25, 1.25, 10.0),
-            orientation=None,
-            find_cases=layouts.find_mnms,
-            layout="Training/Labeled/<CODE>/<CODE>_sa.nii.gz + _sa_gt.nii.gz, Validation/, Testing/ + information CSV",
-            assign_splits=_mnms_rule(),
-            report_classes={"LV": (1,), "MYO": (2,), "RV": (3,)},
-            source="https://www.ub.edu/mnms/ (registration)",
-        ),
-    )
-}
+#: task name -> :class:`TaskSpec`
+TASKS: Registry[TaskSpec] = Registry("task")
+
+
+def register_task(spec: TaskSpec, overwrite: bool = False) -> TaskSpec:
+    """Make a dataset task available by name (``jcsaug prepare``, the bundles' ``task``)."""
+    return TASKS.register(spec.name, spec, overwrite=overwrite)
 
 
 def get_task(name: str) -> TaskSpec:
-    """The task called ``name``; unknown names raise ``KeyError`` listing the choices."""
-    if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
-    return TASKS[name]
+    """The task called ``name``; unknown names raise ``KeyError`` listing the valid ones."""
+    return TASKS.get(name)
+
+
+def list_tasks() -> list[str]:
+    return TASKS.names()
+
+
+for _spec in (
+    TaskSpec(
+        name="atlas_stroke",
+        title="ATLAS v2.0 T1 MR chronic stroke lesions",
+        modality="MR",
+        labels={0: "background", 1: "lesion"},
+        spacing=(1.0, 1.0, 1.0),
+        orientation="RAS",
+        find_cases=layouts.find_atlas,
+        layout="ATLAS_2/Training/R*/sub-*/ses-1/anat/*_T1w.nii.gz + *_label-L_desc-T1lesion_mask.nii.gz",
+        assign_splits=_random_rule(145, 31, 44, half=73),
+        report_classes={"lesion": (1,)},
+        source="https://fcon_1000.projects.nitrc.org/indi/retro/atlas.html (ATLAS R2.0, after accepting the terms)",
+        paper_settings={
+            "deepmedic": {0.5: ("dice", 1e-3), 1.0: ("dice", 2e-3)},
+            "unet3d": {0.5: ("dice", 5e-4), 1.0: ("ce", 1e-3)},
+            "transformer": {0.5: ("dice", 1e-3)},
+        },
+    ),
+    TaskSpec(
+        name="kits19_tumor",
+        title="KiTS19 contrast CT, kidney and tumour",
+        modality="CT",
+        labels={0: "background", 1: "kidney", 2: "tumour"},
+        spacing=(1.6, 1.6, 3.2),
+        orientation="RAS",
+        find_cases=layouts.find_kits19,
+        layout="kits19/data/case_XXXXX/imaging.nii.gz + segmentation.nii.gz",
+        assign_splits=_random_rule(140, 28, 42, half=70),
+        report_classes={"tumour": (2,)},
+        source="https://github.com/neheller/kits19 (python -m starter_code.get_imaging)",
+        paper_settings={
+            "deepmedic": {0.5: ("dice", 1e-3), 1.0: ("dice", 1e-3)},
+            "unet3d": {0.5: ("ce+dice", 5e-4), 1.0: ("ce", 5e-4)},
+            "transformer": {0.5: ("ce", 2e-3)},
+        },
+        max_epochs=2000,  # the paper: KiTS needed more iterations to converge
+    ),
+    TaskSpec(
+        name="btcv_abdomen",
+        title="BTCV abdominal CT, 13 organs",
+        modality="CT",
+        labels=BTCV_ORGANS,
+        spacing=(1.6, 1.6, 3.2),
+        orientation="RAS",
+        find_cases=layouts.find_btcv,
+        layout="Abdomen/RawData/Training/img/img00NN.nii.gz + Training/label/label00NN.nii.gz",
+        assign_splits=_random_rule(20, 4, 6),
+        report_classes={"rare organs": (4, 5, 8, 9, 10, 11, 12, 13)},
+        source="https://www.synapse.org/#!Synapse:syn3193805 (Synapse account, join the challenge)",
+        paper_settings={"deepmedic": {1.0: ("ce", 2e-3)}, "unet3d": {1.0: ("dice", 5e-4)}},
+    ),
+    TaskSpec(
+        name="prostate_crosssite",
+        title="prostate T2 MR, site A (BMC, 1.5T) -> site B (I2CVB, 3T)",
+        modality="MR",
+        labels={0: "background", 1: "prostate"},
+        spacing=(0.8, 0.8, 1.5),
+        orientation="RAS",
+        find_cases=layouts.find_prostate,
+        layout="Processed_data_nii/{BMC,I2CVB}/CaseNN.nii.gz + CaseNN_segmentation.nii.gz (BMC: _Segmentation)",
+        assign_splits=_cross_domain_rule(
+            layouts.PROSTATE_SOURCE,
+            layouts.PROSTATE_TARGET,
+            {"training": 20, "test_source": 6},
+            {"validation": 1, "test": 18},
+            random_target=False,  # the reference lists: I2CVB Case00 validates
+        ),
+        report_classes={"prostate": (1,)},
+        label_map={0: 0, 1: 1, 2: 1},  # some masks contain 2 (SAML maps 2 -> 1)
+        copy_image_geometry_to_label=True,
+        source="https://liuquande.github.io/SAML/ (Processed_data_nii)",
+        paper_settings={"deepmedic": {1.0: ("ce", 5e-4)}, "unet3d": {1.0: ("ce", 5e-4)}},
+        patch_sizes={"unet3d": (64, 64, 32), "transformer": (64, 64, 32)},
+        train_on_val=True,  # the paper's final models: train + the site-B validation case
+    ),
+    TaskSpec(
+        name="cardiac_crosssequence",
+        title="MS-CMRSeg 2019 cardiac MR, bSSFP -> LGE",
+        modality="MR",
+        labels=CARDIAC,
+        spacing=(1.25, 1.25, 0.0),  # in-plane only: slices stay as acquired
+        nominal_spacing=(1.25, 1.25, 10.0),  # networks are planned for a typical 8-13 mm slice spacing
+        orientation=None,
+        find_cases=layouts.find_mscmrseg,
+        layout="patientN_{C0,LGE}.nii.gz + patientN_{C0,LGE}_manual.nii.gz anywhere below RAW_DIR",
+        assign_splits=_cross_domain_rule(
+            layouts.MSCMR_SOURCE,
+            layouts.MSCMR_TARGET,
+            {"training": 30, "test_source": 10},
+            {"validation": 1, "test": 44},
+            random_target=True,  # the paper: one LGE case, at random
+        ),
+        report_classes={"LV": (1,), "MYO": (2,), "RV": (3,)},
+        label_map={0: 0, 500: 1, 200: 2, 600: 3},
+        source="https://zmiclab.github.io/zxh/0/mscmrseg19/ (registration)",
+        paper_settings={"unet3d": {1.0: ("ce", 5e-4)}},
+        patch_sizes=CARDIAC_PATCHES,
+        train_on_val=True,  # the paper's rows here are ‡: trained on train + the LGE validation case
+    ),
+    TaskSpec(
+        name="cardiac_crosssite",
+        title="M&Ms multi-vendor cardiac MR, unseen centre 5",
+        modality="MR",
+        labels=CARDIAC,
+        spacing=(1.25, 1.25, 10.0),
+        orientation=None,
+        find_cases=layouts.find_mnms,
+        layout="Training/Labeled/<CODE>/<CODE>_sa.nii.gz + _sa_gt.nii.gz, Validation/, Testing/ + information CSV",
+        assign_splits=_mnms_rule(),
+        report_classes={"LV": (1,), "MYO": (2,), "RV": (3,)},
+        source="https://www.ub.edu/mnms/ (registration)",
+        paper_settings={"unet3d": {1.0: ("dice", 5e-4)}},
+        patch_sizes=CARDIAC_PATCHES,
+    ),
+):
+    register_task(_spec)

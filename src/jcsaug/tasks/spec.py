@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +42,8 @@ class RawCase:
 CaseFinder = Callable[[Path, bool], list[RawCase]]
 #: ``assign_splits(cases, seed) -> {split: [case_id]}``
 SplitRule = Callable[[list[RawCase], int], dict[str, list[str]]]
+#: network -> training fraction -> ``(L_val, beta)`` (the paper's supplementary table)
+SettingsTable = Mapping[str, Mapping[float, tuple[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,14 @@ class TaskSpec:
         copy_image_geometry_to_label: a label whose affine disagrees with its image's (same shape) gets the
             image's (a known quirk of the prostate data) instead of an error.
         source: where the data is published.
+        paper_settings: what the paper trained with (SPEC §6): network -> training fraction -> ``(L_val, beta)``;
+            read through :meth:`paper_setting`.
+        patch_sizes: network -> the paper's training patch where it is not the network's default (64³ U-Net,
+            37³ DeepMedic segment): e.g. 64 x 64 x 32 for prostate, 128 x 128 x 8 for cardiac MR.
+        max_epochs: the paper's training budget (epochs of 100 iterations).
+        train_on_val: the paper's final models of this task are trained on training + validation cases.
+        nominal_spacing: the spacing networks are planned for (U-Net kernels and pooling) where ``spacing`` keeps
+            an axis as acquired; see :attr:`planning_spacing`.
     """
 
     name: str
@@ -80,10 +90,38 @@ class TaskSpec:
     foreground_splits: tuple[str, ...] = ("training", "validation")
     copy_image_geometry_to_label: bool = False
     source: str = ""
+    paper_settings: SettingsTable = field(default_factory=dict)
+    patch_sizes: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
+    max_epochs: int = 1000
+    train_on_val: bool = False
+    nominal_spacing: tuple[float, float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if any(s <= 0 for s in self.spacing) and self.nominal_spacing is None:
+            raise ValueError(f"task {self.name!r} keeps an axis' spacing: give nominal_spacing to plan networks with")
 
     @property
     def num_classes(self) -> int:
         return len(self.labels)
+
+    @property
+    def planning_spacing(self) -> tuple[float, float, float]:
+        """Voxel spacing (mm) the networks are planned for: :attr:`spacing`, with an axis kept as acquired
+        (``<= 0``) taken from :attr:`nominal_spacing` (e.g. a typical 10 mm between cardiac MR slices)."""
+        nominal = self.nominal_spacing or self.spacing
+        return tuple(float(n if s <= 0 else s) for s, n in zip(self.spacing, nominal))  # type: ignore[return-value]
+
+    def paper_setting(self, network: str, train_fraction: float) -> tuple[str, float]:
+        """``(L_val, beta)`` of ``network`` at ``train_fraction``; where the paper has no entry, the nearest fraction
+        of that network or the table's first network, with a warning (see :func:`jcsaug.tasks.paper_setting`)."""
+        from jcsaug.tasks.settings import paper_setting
+
+        return paper_setting(self.paper_settings, network, train_fraction)
+
+    def patch_size(self, network: str, default: Sequence[int] | None = None) -> tuple[int, ...] | None:
+        """The paper's training patch of ``network`` on this task, else ``default`` (the network's own)."""
+        patch = self.patch_sizes.get(network, default)
+        return None if patch is None else tuple(int(p) for p in patch)
 
     def class_of(self, raw_value: int) -> int | None:
         """Class of a raw label value, or ``None`` if the task has no such value."""

@@ -1,0 +1,113 @@
+"""One registry pattern for everything chosen by name: networks, losses, hypergradient estimators, test-time
+inferers, presets, tasks, modes and CLI commands.
+
+Each domain keeps one :class:`Registry` and exposes the same three functions around it, as timm does for its
+models: ``register_<thing>`` (also usable as a decorator), ``get_<thing>(name)`` and ``list_<things>()``. An
+unknown name raises :class:`UnknownNameError` (a ``KeyError``) with one message for every registry: what was
+asked for and the valid names.
+
+>>> colours = Registry("colour")
+>>> colours.register("red", (255, 0, 0))
+(255, 0, 0)
+>>> @colours.register("green")
+... def green():
+...     return (0, 255, 0)
+>>> colours.names()
+['green', 'red']
+>>> colours.get("blue")
+Traceback (most recent call last):
+...
+jcsaug.registry.UnknownNameError: unknown colour 'blue'; valid names: green, red
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Generic, TypeVar, overload
+
+__all__ = ["Registry", "UnknownNameError"]
+
+T = TypeVar("T")
+
+
+class UnknownNameError(KeyError):
+    """A name that is not in a registry; the message lists the valid names."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class Registry(Generic[T]):
+    """Name -> object, in registration order.
+
+    Args:
+        kind: what the objects are, for error messages (``"network"``, ``"loss"`` ...).
+        entries: initial entries.
+        normalise: maps a requested name to its registered form (e.g. ``str.lower``); names are stored as given.
+    """
+
+    def __init__(
+        self, kind: str, entries: Mapping[str, T] | None = None, normalise: Callable[[str], str] | None = None
+    ) -> None:
+        self.kind = kind
+        self._entries: dict[str, T] = {}
+        self._normalise = normalise
+        for name, obj in (entries or {}).items():
+            self.register(name, obj)
+
+    @overload
+    def register(self, name: str, obj: T, *, overwrite: bool = False) -> T: ...
+
+    @overload
+    def register(self, name: str, obj: None = None, *, overwrite: bool = False) -> Callable[[T], T]: ...
+
+    def register(self, name, obj=None, *, overwrite=False):
+        """Add ``obj`` under ``name`` (returned unchanged); without ``obj``, a decorator that registers its target.
+
+        Registering a taken name is an error unless ``overwrite=True``.
+        """
+        if obj is None:
+            return lambda target: self.register(name, target, overwrite=overwrite)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a {self.kind} name must be a non-empty string, got {name!r}")
+        if name in self._entries and not overwrite:
+            raise ValueError(f"{self.kind} {name!r} is already registered (pass overwrite=True to replace it)")
+        self._entries[name] = obj
+        return obj
+
+    def key(self, name: object) -> str:
+        """The registered name ``name`` stands for; :class:`UnknownNameError` if none."""
+        key = self._normalise(str(name)) if self._normalise is not None and isinstance(name, str) else name
+        if not isinstance(key, str) or key not in self._entries:
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())}")
+        return key
+
+    def get(self, name: object) -> T:
+        """The object registered as ``name``; :class:`UnknownNameError` listing the valid names if none."""
+        return self._entries[self.key(name)]
+
+    def names(self) -> list[str]:
+        """The registered names, sorted."""
+        return sorted(self._entries)
+
+    def items(self) -> list[tuple[str, T]]:
+        return list(self._entries.items())
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self.key(name)
+        except UnknownNameError:
+            return False
+        return True
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {self.names()})"

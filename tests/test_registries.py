@@ -1,0 +1,135 @@
+"""One registry pattern: every name-chosen thing has register_*, get_* and list_*, and one error text that lists the
+valid names; each registered entry is exercised (parametrised over the list_* functions)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+from jcsaug.cli import COMMANDS
+from jcsaug.engine import get_hypergradient, get_loss, list_hypergradients, list_losses, register_hypergradient
+from jcsaug.engine.hypergradient import HYPERGRADIENTS
+from jcsaug.policy import (
+    get_tea_preset,
+    get_tra_preset,
+    list_tea_presets,
+    list_tra_presets,
+    make_tea_policy,
+    make_tra_policy,
+)
+from jcsaug.registry import Registry, UnknownNameError
+from jcsaug.tasks import get_task, list_tasks
+
+
+def _lookups():
+    """(get_*, list_*) of every registry."""
+    return {
+        "loss": (get_loss, list_losses),
+        "hypergradient estimator": (get_hypergradient, list_hypergradients),
+        "TRA preset": (get_tra_preset, list_tra_presets),
+        "TEA preset": (get_tea_preset, list_tea_presets),
+        "task": (get_task, list_tasks),
+        "command": (COMMANDS.get, COMMANDS.names),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_lookups()))
+def test_one_error_text_lists_the_valid_names(kind):
+    get, names = _lookups()[kind]
+    assert names() == sorted(names()) and names()
+    for name in names():
+        get(name)
+    with pytest.raises(UnknownNameError) as caught:
+        get("no-such-name")
+    assert str(caught.value) == f"unknown {kind} 'no-such-name'; valid names: {', '.join(names())}"
+    assert isinstance(caught.value, KeyError)
+
+
+def test_registry_register_decorator_and_overwrite():
+    registry: Registry[int] = Registry("number", {"one": 1})
+    with pytest.raises(ValueError, match="'one' is already registered"):
+        registry.register("one", 11)
+    registry.register("one", 11, overwrite=True)
+
+    @registry.register("two")
+    def two():
+        return 2
+
+    assert registry.get("two") is two and "two" in registry and "three" not in registry and len(registry) == 2
+
+
+@pytest.mark.parametrize("name", list_losses())
+def test_every_loss_gives_one_finite_value_per_sample(name):
+    logits = torch.randn(3, 2, 6, 6, 6)
+    label = (torch.rand(3, 1, 6, 6, 6) > 0.5).float()
+    values = get_loss(name)(logits, label)
+    assert values.shape == (3,) and torch.isfinite(values).all()
+
+
+@pytest.mark.parametrize("name", list_hypergradients())
+def test_every_hypergradient_estimator_agrees_with_the_exact_one(name):
+    torch.manual_seed(0)
+    net = torch.nn.Conv3d(1, 2, 3, padding=1).double()
+    theta = {n: p.detach().clone() for n, p in net.named_parameters()}
+    v = {n: torch.randn_like(p) for n, p in theta.items()}
+    image, label = torch.randn(4, 1, 6, 6, 6).double(), (torch.rand(4, 1, 6, 6, 6) > 0.5).double()
+    exact = get_hypergradient("jvp")(net, theta, v, image, label, get_loss("ce"), 0.1)
+    estimate = get_hypergradient(name)(net, theta, v, image, label, get_loss("ce"), 0.1)
+    assert estimate.shape == (4,)
+    torch.testing.assert_close(estimate, exact, rtol=1e-3, atol=1e-7)
+
+
+def test_a_registered_hypergradient_estimator_is_used_by_the_updater():
+    from helpers import lesion_batch, tiny_unet
+    from jcsaug.engine import TRAPolicyUpdater
+
+    calls = []
+
+    def zero(model, theta, v, image, label, loss_fn, lr, v_norm=None):
+        calls.append(image.shape[0])
+        return torch.zeros(image.shape[0], dtype=torch.float64)
+
+    register_hypergradient("zero-test", zero)
+    try:
+        net = tiny_unet()
+        updater = TRAPolicyUpdater(make_tra_policy(), net, [lesion_batch()], torch.optim.SGD(net.parameters(), 0.1),
+                                   hypergradient="zero-test")  # fmt: skip
+        assert updater.hypergradient is zero
+    finally:
+        HYPERGRADIENTS._entries.pop("zero-test")
+    with pytest.raises(KeyError, match="unknown hypergradient estimator 'zero-test'"):
+        TRAPolicyUpdater(make_tra_policy(), net, None, torch.optim.SGD(net.parameters()), hypergradient="zero-test")
+
+
+@pytest.mark.parametrize("name", list_tra_presets())
+def test_every_tra_preset_gives_probabilities(name):
+    policy = make_tra_policy(name, num_groups=2)
+    for probs in policy.probabilities():
+        np.testing.assert_allclose(probs.sum(-1).numpy(), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list_tea_presets())
+def test_every_tea_preset_gives_probabilities(name):
+    probs = make_tea_policy(name).probabilities()[0]
+    assert probs.shape == (1, 84) and abs(float(probs.sum()) - 1) < 1e-5
+
+
+@pytest.mark.parametrize("name", list_tasks())
+def test_every_task_carries_its_bundle_facts(name):
+    spec = get_task(name)
+    assert spec.name == name and spec.num_classes >= 2 and spec.max_epochs >= 1
+    assert all(s > 0 for s in spec.planning_spacing)
+    for network, fractions in spec.paper_settings.items():
+        for fraction, (val_loss, beta) in fractions.items():
+            get_loss(val_loss)
+            assert spec.paper_setting(network, fraction) == (val_loss, beta) and beta > 0
+
+
+@pytest.mark.parametrize("name", COMMANDS.names())
+def test_every_command_builds_its_arguments(name):
+    build, run = COMMANDS.get(name)
+    build(argparse.ArgumentParser())
+    assert callable(run)
