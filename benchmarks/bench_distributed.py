@@ -57,7 +57,7 @@ def _run(local_rank: int, iterations: int, size: int, out: str) -> None:
     per_rank = GLOBAL_BATCH // world
     data = [_batch(per_rank, size, 1000 * rank + i, setup.tra_policy) for i in range(iterations + 2)]
     val = [_batch(per_rank, size, 10_000 + 1000 * rank + i, setup.tra_policy) for i in range(2)]
-    updaters = setup.handlers(model, opt, val, num_copies=4)
+    updaters = setup.updaters(model, opt, val, num_copies=4)
     loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
 
     def step(engine, batch):

@@ -18,7 +18,7 @@ excluded. Every configuration runs an Ignite ``Engine`` whose step is a plain su
 ``DiceCELoss``, backward, SGD step) on the *same* batches:
 
 * ``plain``: a fixed heuristic policy, no handler attached;
-* ``joint N=1`` / ``joint N=10``: the handlers of ``AugmentationSetup("class-specific", "joint").handlers``
+* ``joint N=1`` / ``joint N=10``: the handlers of ``AugmentationSetup("class-specific", "joint").updaters``
   (``TRAPolicyUpdater`` with the TEA policy + ``TEAPolicyUpdater``; the bundle's policy lrs, val loss
   ``dice``, finite-difference hypergradient), both updating every 1 / every 10 iterations.
 
@@ -173,7 +173,7 @@ class Run:
         self._interrupting = False
         if update_every is not None:
             setup = AugmentationSetup("class-specific", "joint")
-            self.handlers = setup.handlers(
+            self.handlers = setup.updaters(
                 self.model, self.optimizer, val_batches, tra_lr=TRA_LR, tea_lr=TEA_LR,
                 tra_update_every=update_every, tea_update_every=update_every, train_loss="ce+dice",
                 val_loss="dice", num_copies=copies, hypergradient="finite-difference", seed=seed,

@@ -44,6 +44,8 @@ import torch
 from ignite.engine import Events
 from monai.bundle import ConfigParser
 
+from jcsaug.networks import get_network
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 10
 
@@ -63,6 +65,7 @@ def _synthetic_dataset(work: Path, task: str) -> Path:
 def _trainer(bundle: str, overrides: dict):
     parser = ConfigParser()
     parser.read_config(str(ROOT / "bundles" / bundle / "configs" / "train.yaml"))
+    parser.read_meta(str(ROOT / "bundles" / bundle / "configs" / "metadata.json"))  # names the bundle's task
     parser.update(overrides)
     for expression in parser.get("initialize", []):
         parser.get_parsed_content(f"initialize#{parser.get('initialize').index(expression)}")
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_workers": 0, "cases_per_batch": args.cases_per_batch, "samples_per_case": args.samples_per_case,
             "val_batch_size": n, "device": "$torch.device('cpu')",
         }  # fmt: skip
-        if network != "deepmedic":
+        if get_network(network).patch_sizes is None:  # logits cover the patch (not DeepMedic's segments)
             common["patch_size"] = list(args.patch)
         runs = {
             m: _trainer(args.bundle, {**common, **o, "output_dir": str(work / network / m)}) for m, o in modes.items()

@@ -32,15 +32,22 @@ def test_train_writes_checkpoints_policies_and_metrics(trained):
     tra, tea = load_policies(run / "policies.json")
     assert tra is not None and tra.num_groups == 2 and tea is not None
     metrics = json.loads((run / "metrics.json").read_text())
-    assert set(metrics) == {"none", "joint"}
+    updates = metrics.pop("policy_updates")
+    assert set(metrics) == {"none", "learned"}
+    assert updates["TRA"]["updates"] + updates["TRA"]["skipped"] == 4 and updates["TEA"]["updates"] == 4
     for method in metrics.values():
         assert len(method["per_case"]) == 2
         assert 0.0 <= method["mean_dice"] <= 1.0
     history = (run / "policy_history.jsonl").read_text().splitlines()
     assert len(history) == 2
     log = result.stdout + result.stderr
-    assert re.search(r"TRA update \d+; most changed: \S+", log)  # a log line per update
-    assert re.search(r"TEA update \d+; most changed: \S+", log)
+    assert len(re.findall(r"epoch \d: TRA policy \d+ updates, \d+ skipped; most changed this epoch: \S+", log)) == 2
+    assert len(re.findall(r"epoch \d: TEA policy \d+ updates", log)) == 2  # INFO: a line per epoch, not per update
+    assert not re.search(r"TRA update \d+; most changed", log)  # the per-update lines are DEBUG
+    summary = log[log.index("run summary") :]
+    assert re.search(r"test Dice .*: none \d\.\d{3}, learned \d\.\d{3}", summary)
+    assert "TRA group 1 (foreground), most changed: " in summary and "TEA, most changed: " in summary
+    assert "TRA policy updates: " in summary and str(run / "policies.png") in summary
     shown = subprocess.run([sys.executable, "-m", "jcsaug.cli", "policy", "show", str(run / "policies.json")],
                            capture_output=True, text=True, check=True)  # fmt: skip
     assert "TRA policy, class group 1" in shown.stdout and "TEA policy" in shown.stdout
@@ -50,7 +57,7 @@ def test_evaluate_and_inference_configs(trained):
     tmp_path, _ = trained
     run_bundle(tmp_path, "train.yaml", "evaluate.yaml", num_workers=0)
     metrics = json.loads((tmp_path / "run" / "metrics_evaluate.json").read_text())
-    assert set(metrics) == {"none", "heuristic", "learned"}
+    assert set(metrics) == {"none", "heuristic", "learned"}  # the same method names as after training
     run_bundle(tmp_path, "train.yaml", "inference.yaml", num_workers=0)
     predictions = sorted((tmp_path / "run" / "predictions").glob("*_seg.nii.gz"))
     assert len(predictions) == 2
@@ -65,7 +72,7 @@ def test_modes_are_overridable(tmp_path):
             tea_mode="none")  # fmt: skip
     tra, tea = load_policies(tmp_path / "run" / "policies.json")
     assert tra.num_groups == 1 and tea is None
-    assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())) == {"none"}
+    assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())) == {"none", "policy_updates"}
 
 
 def test_posthoc_tea_and_train_on_val(tmp_path):
@@ -74,15 +81,15 @@ def test_posthoc_tea_and_train_on_val(tmp_path):
             tea_mode="learned-posthoc", posthoc_iterations=3, train_on_val=True)  # fmt: skip
     tra, tea = load_policies(tmp_path / "run" / "policies.json")
     assert tea is not None and not torch.allclose(tea.logits, make_tea_policy("nnunet").logits)
-    assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())) == {"none", "learned-posthoc"}
+    assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())) == {"none", "learned", "policy_updates"}
 
 
 def test_tra_cascade_on_the_device(tmp_path):
     """augment_on: device (the default on a GPU): BatchTRACascaded on every batch, and the TRA update still learns."""
     small_dataset(tmp_path)
-    result = run_bundle(tmp_path, "train.yaml", max_epochs=1, epoch_length=2, num_workers=0, tra_update_every=1,
-                        tea_mode="none", augment_on="device", device="cpu")  # fmt: skip
-    log = result.stdout + result.stderr
-    assert re.search(r"TRA update 2; most changed: \S+", log)  # the op record reached the updater
+    run_bundle(tmp_path, "train.yaml", max_epochs=1, epoch_length=2, num_workers=0, tra_update_every=1,
+               tea_mode="none", augment_on="device", device="cpu")  # fmt: skip
+    updates = json.loads((tmp_path / "run" / "metrics.json").read_text())["policy_updates"]
+    assert updates["TRA"]["updates"] == 2, updates  # the op record reached the updater
     tra, _ = load_policies(tmp_path / "run" / "policies.json")
     assert not torch.allclose(tra.logits, make_tra_policy("nnunet", 2).logits)

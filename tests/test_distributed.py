@@ -144,8 +144,10 @@ def test_bundle_multi_gpu_config_runs_under_torchrun(tmp_path):
     assert (run / "policies.json").is_file() and (run / "metrics.json").is_file()
     assert (run / "checkpoint_final_iteration=2.pt").is_file()
     log = result.stdout + result.stderr
+    updates = json.loads((run / "metrics.json").read_text())["policy_updates"]
     for name in ("TRA", "TEA"):  # both policies were updated (rank 0 logs; the other ranks log warnings only)
-        assert log.count(f": {name} update 2;") == 1, log[-3000:]
+        assert updates[name]["updates"] == 2, updates
+        assert log.count(f"epoch 1: {name} policy 2 updates") == 1, log[-3000:]
     for path in (run / "checkpoint_final_iteration=2.pt", run / "resume.pt"):  # saved unwrapped from DDP
         checkpoint = torch.load(path, weights_only=True)
         assert checkpoint["network"] and not any(k.startswith("module.") for k in checkpoint["network"]), path

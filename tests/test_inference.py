@@ -80,12 +80,19 @@ def test_loading_policies_and_errors(tmp_path):
         TEAInferer.from_policy(make_tea_policy(), z=0)
 
 
-def test_tta_inferer_by_name(tmp_path):
-    from jcsaug.inference import tta_inferer
+def test_one_factory_builds_every_test_time_method(tmp_path):
+    from jcsaug.inference import make_tta_inferer, make_tta_inferers
 
     path = save_policies(tmp_path / "policies.json", tea=make_tea_policy())
-    assert isinstance(tta_inferer("none", None, path), NoTTAInferer)
-    assert isinstance(tta_inferer("heuristic", None, path), MirrorTTAInferer)
-    assert len(tta_inferer("learned", None, path, z=4).ops) == 4
-    with pytest.raises(KeyError, match="unknown test-time augmentation 'mirror'"):
-        tta_inferer("mirror", None, path)
+    assert isinstance(make_tta_inferer("none", None, path), NoTTAInferer)
+    assert isinstance(make_tta_inferer("heuristic", None, path), MirrorTTAInferer)
+    assert len(make_tta_inferer("learned", None, path, z=4).ops) == 4  # from a policies.json
+    assert len(make_tta_inferer("learned", None, make_tea_policy(), z=3).ops) == 3  # from a policy
+    with pytest.raises(KeyError, match="unknown test-time augmentation 'mirror'; valid names: heuristic, learned"):
+        make_tta_inferer("mirror", None, path)
+    only_tra = save_policies(tmp_path / "tra.json", tra=make_tra_policy())
+    with pytest.raises(ValueError, match="tra.json holds none"):
+        make_tta_inferer("learned", None, only_tra)
+    methods = ["none", "heuristic", "learned"]
+    assert list(make_tta_inferers(methods, None, only_tra, skip_unavailable=True)) == ["none", "heuristic"]
+    assert list(make_tta_inferers(methods, None, path)) == methods

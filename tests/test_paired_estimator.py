@@ -250,7 +250,7 @@ def test_fixed_mode_reuses_a_learned_policy_unchanged(tmp_path):
     assert not setup.learn_tra and setup.counterfactuals == 0
     net = tiny_unet()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    assert setup.handlers(net, opt, [lesion_batch(4)]) == []  # no updater: never learned
+    assert setup.updaters(net, opt, [lesion_batch(4)]) == []  # no updater: never learned
     before = setup.tra_policy.logits.detach().clone()
     batch = lesion_batch(4, seed=2, tra_policy=setup.tra_policy)
     engine = train_engine(net, opt)

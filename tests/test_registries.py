@@ -26,13 +26,25 @@ from jcsaug.tasks import get_task, list_tasks
 
 def _lookups():
     """(get_*, list_*) of every registry."""
+    from jcsaug.engine import get_tea_mode, get_tra_mode, list_tea_modes, list_tra_modes
+    from jcsaug.inference import get_tta_inferer, list_tta_inferers
+    from jcsaug.networks import get_network, list_networks
+    from jcsaug.ops.intensity import INTENSITY_KINDS
+    from jcsaug.ops.tra import PARAM_SAMPLERS
+
     return {
+        "network": (get_network, list_networks),
         "loss": (get_loss, list_losses),
         "hypergradient estimator": (get_hypergradient, list_hypergradients),
+        "test-time augmentation": (get_tta_inferer, list_tta_inferers),
         "TRA preset": (get_tra_preset, list_tra_presets),
         "TEA preset": (get_tea_preset, list_tea_presets),
         "task": (get_task, list_tasks),
+        "tra_mode": (get_tra_mode, list_tra_modes),
+        "tea_mode": (get_tea_mode, list_tea_modes),
         "command": (COMMANDS.get, COMMANDS.names),
+        "intensity kind": (INTENSITY_KINDS.get, INTENSITY_KINDS.names),
+        "TRA op kind": (PARAM_SAMPLERS.get, PARAM_SAMPLERS.names),
     }
 
 
@@ -119,10 +131,13 @@ def test_every_tea_preset_gives_probabilities(name):
 
 @pytest.mark.parametrize("name", list_tasks())
 def test_every_task_carries_its_bundle_facts(name):
+    from jcsaug.networks import get_network
+
     spec = get_task(name)
     assert spec.name == name and spec.num_classes >= 2 and spec.max_epochs >= 1
     assert all(s > 0 for s in spec.planning_spacing)
     for network, fractions in spec.paper_settings.items():
+        get_network(network)
         for fraction, (val_loss, beta) in fractions.items():
             get_loss(val_loss)
             assert spec.paper_setting(network, fraction) == (val_loss, beta) and beta > 0
@@ -133,3 +148,23 @@ def test_every_command_builds_its_arguments(name):
     build, run = COMMANDS.get(name)
     build(argparse.ArgumentParser())
     assert callable(run)
+
+
+def _tea_intensity_ops():
+    from jcsaug.ops.tea import TEA_OPS
+
+    return [op for op in TEA_OPS if not op.is_spatial and op.kind != "identity"]
+
+
+@pytest.mark.parametrize("op", _tea_intensity_ops(), ids=lambda op: op.name)
+def test_one_table_of_intensity_kinds_serves_both_catalogues(op):
+    """A TEA intensity op and the TRA cascade with the same value give the same image: one implementation."""
+    from jcsaug.ops.intensity import INTENSITY_KINDS
+    from jcsaug.ops.tea import NOISE_SEED_BASE
+    from jcsaug.ops.tra import INTENSITY_ORDER, TRA_SERIES, TRAParams, apply_intensity
+
+    assert {o.kind for s in TRA_SERIES for o in s.ops if o.kind in INTENSITY_KINDS} == set(INTENSITY_KINDS)
+    field = dict(INTENSITY_ORDER)[op.kind]
+    params = TRAParams(**{field: op.value}, noise_seed=NOISE_SEED_BASE + op.id)
+    image = torch.rand(1, 12, 12, 12)
+    torch.testing.assert_close(apply_intensity(image, params), op.transform_image(image), rtol=0, atol=0)

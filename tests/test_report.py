@@ -152,3 +152,20 @@ def test_cli_prints_or_writes_and_reports_bad_input(tmp_path, capsys):
     assert _cli([str(run), str(other), "--baseline", "run/A"]) == 2
     err = capsys.readouterr().err
     assert "'other/D'" in err and "missing ['c5']" in err and "extra ['x9']" in err
+
+
+def test_without_a_baseline_means_and_ranks_only(tmp_path, capsys):
+    run = _write(tmp_path / "run", DATA)
+    report = build_report([run])
+    tested = build_report([run], baseline="A")
+    assert report.means == tested.means and report.ranks == tested.ranks
+    assert report.average_rank == tested.average_rank
+    assert report.p_values == {} and report.dice_improvement == {} and report.baseline is None
+    lines = report.to_markdown().splitlines()
+    assert lines[0] == "| Method | DSC (%) | Sens. (%) | Prec. (%) | HD95 (mm) | Avg. rank |"
+    assert lines[2] == "| A | 70.0 | 75.0 | **90.0** | 5.00 | 2.38 |" and "No baseline" in lines[-2]
+    assert not [c for c in report.to_csv().splitlines()[0].split(",") if c.endswith("_p") or c == "dice_improvement"]
+    assert _cli([str(run)]) == 0 and "| B | **80.0** |" in capsys.readouterr().out
+    other = _write(tmp_path / "other", {"D": DATA["A"]}, cases=["c1", "c2", "c3", "c4", "x9"])
+    with pytest.raises(ReportError, match="'other/D' is not evaluated on the same cases as 'run/A'"):
+        build_report([run, other])

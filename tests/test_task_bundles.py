@@ -1,40 +1,63 @@
-"""The six dataset bundles: `python -m monai.bundle run` on prepared fake data with DeepMedic and the 3D U-Net,
-then `evaluate.yaml`; the configs carry SPEC §6's settings."""
+"""The six dataset bundles: one shared machinery (bundles/_common/configs) tested once in depth, each task's own
+files cheaply.
+
+* each task folder holds only its task: links to the shared configs and a metadata.json naming the task;
+* every merged config (train, + evaluate, + inference, + multi-GPU) parses, for every network, with the task's
+  facts from its TaskSpec and the network's defaults from the network registry;
+* every task trains a tiny 3D U-Net on prepared fake volumes larger than its patches, so both class groups occur:
+  TRA and TEA policy updates happen (counts from metrics.json), with at most the share of skipped TRA updates
+  stated in MAX_SKIPPED_TRA;
+* in depth, on KiTS: evaluate.yaml and inference.yaml after training, DeepMedic, the transformer, the handler
+  order, and the multi-GPU config under torchrun (which learns as well).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from monai.bundle import ConfigParser
 
 from fake_raw import TASK_NAMES
+from jcsaug.networks import get_network, list_networks
+from jcsaug.tasks import get_task
 
 BUNDLES = Path(__file__).resolve().parents[1] / "bundles"
+COMMON = BUNDLES / "_common" / "configs"
+SHARED_FILES = ("train.yaml", "evaluate.yaml", "inference.yaml", "multi_gpu_train.yaml", "logging.conf")
 
-#: small U-Net patches for the tiny fake volumes (the paper's are 64³ / 64x64x32 / 128x128x8)
-UNET_TEST_PATCH = {"prostate_crosssite": "[32,32,16]", "cardiac_crosssequence": "[32,32,8]",
-                   "cardiac_crosssite": "[32,32,8]"}  # fmt: skip
+#: tiny U-Nets (4 base filters) on patches smaller than the fake volumes (about 30³; cardiac 32 x 32 x 6 slices)
+UNET = {"network": "unet3d", "network_kwargs": "{'base_filters': 4}"}
+UNET_PATCH = {"cardiac_crosssequence": "[16,16,4]", "cardiac_crosssite": "[16,16,4]"}
 #: a DeepMedic with the paper's layout and patch sizes but 4 feature maps per layer (CPU test speed)
 SMALL_DEEPMEDIC = "{'feature_maps': [4,4,4,4,4,4,4,4], 'fc_feature_maps': [8,8]}"
+#: a small UNETR (the transformer of 16-divisible patches)
+SMALL_UNETR = "{'hidden_size': 16, 'mlp_dim': 16, 'num_heads': 2, 'feature_size': 2}"
+TINY = {"max_epochs": 1, "epoch_length": 4, "num_workers": 0, "cases_per_batch": 2, "samples_per_case": 4,
+        "val_batch_size": 4, "num_tea_copies": 2, "tea_z": 2, "tra_update_every": 1, "tea_update_every": 1}  # fmt: skip
+#: the share of TRA updates a tiny run may skip ("the training batch holds one class group only"): patch centres
+#: are drawn class by class with equal ratios, so a batch of 8 patches holds no background patch with probability
+#: ((C-1)/C)^8 for C classes: 0.004 (2 classes), 0.04 (KiTS), 0.1 (cardiac), 0.55 (BTCV, 14 classes)
+MAX_SKIPPED_TRA = {"btcv_abdomen": 0.75}
+DEFAULT_MAX_SKIPPED_TRA = 0.5
 
 
 def run_task_bundle(
     task: str, tmp_path: Path, dataset_dir: Path, *configs: str, launcher: tuple[str, ...] = (), **overrides
 ) -> str:
+    """``python -m monai.bundle run`` on the task's own config files (the links), as a user runs it."""
     folder = BUNDLES / task / "configs"
     files = [str(folder / c) for c in configs]
     launch = list(launcher) or [sys.executable]
     args = [*launch, "-m", "monai.bundle", "run", "--config_file", files[0] if len(files) == 1 else str(files),
             "--meta_file", str(folder / "metadata.json"), "--logging_file", str(folder / "logging.conf")]  # fmt: skip
-    settings = {"dataset_dir": dataset_dir, "max_epochs": 1, "epoch_length": 2, "num_workers": 0,
-                "cases_per_batch": 2, "val_batch_size": 4, "num_tea_copies": 2, **overrides}  # fmt: skip
-    for key, value in settings.items():
+    for key, value in {"dataset_dir": dataset_dir, **TINY, **overrides}.items():
         args += [f"--{key}", str(value)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if launcher else None
     result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
@@ -42,155 +65,190 @@ def run_task_bundle(
     return result.stdout + result.stderr
 
 
-def _metrics(path: Path) -> dict:
-    metrics = json.loads(path.read_text())
+def assert_learned(run: Path, max_skipped: float = DEFAULT_MAX_SKIPPED_TRA, methods=("none", "learned")) -> dict:
+    """metrics.json: the test-time methods, Dice in [0, 1], and TRA and TEA updates done, few skipped."""
+    metrics = json.loads((run / "metrics.json").read_text())
+    updates = metrics.pop("policy_updates")
+    assert set(metrics) == set(methods)
     for method, values in metrics.items():
         assert 0.0 <= values["mean_dice"] <= 1.0, method
-    return metrics
+    assert set(updates) == {"TRA", "TEA"}
+    assert updates["TEA"]["updates"] >= 1 and updates["TEA"]["skipped"] == 0, updates
+    tra = updates["TRA"]
+    assert tra["updates"] >= 1 and tra["skipped"] <= max_skipped * (tra["updates"] + tra["skipped"]), updates
+    return updates
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory, prepared):
+    """task -> (run folder, log) of a tiny U-Net training with joint class-specific TRA and TEA, made once."""
+    runs: dict[str, tuple[Path, str]] = {}
+
+    def get(task: str) -> tuple[Path, str]:
+        if task not in runs:
+            work = tmp_path_factory.mktemp(task)
+            log = run_task_bundle(task, work, prepared[task][1], "train.yaml", output_dir=work / "run",
+                                  patch_size=UNET_PATCH.get(task, "[16,16,16]"), **UNET)  # fmt: skip
+            runs[task] = (work / "run", log)
+        return runs[task]
+
+    return get
+
+
+# ------------------------------------------------------------------------------------------ each task's own files
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_each_task_folder_holds_only_its_task(task):
+    """The shared configs are links to bundles/_common/configs; metadata.json names the task, whose labels are
+    those of its TaskSpec (nothing else in the folder is the task's own)."""
+    folder = BUNDLES / task / "configs"
+    assert sorted(p.name for p in folder.iterdir()) == sorted((*SHARED_FILES, "metadata.json"))
+    for name in SHARED_FILES:
+        assert (folder / name).is_symlink() and (folder / name).resolve() == (COMMON / name).resolve(), name
+    metadata = json.loads((folder / "metadata.json").read_text())
+    assert [k for k in metadata if k.startswith("jcsaug")] == ["jcsaug_task"] and metadata["jcsaug_task"] == task
+    output = metadata["network_data_format"]["outputs"]["pred"]
+    spec = get_task(task)
+    assert output["num_channels"] == spec.num_classes and len(output["channel_def"]) == spec.num_classes
+    assert (BUNDLES / task / "docs" / "README.md").is_file()
+
+
+def test_the_synthetic_bundle_shares_evaluation_inference_multi_gpu_and_logging():
+    folder = BUNDLES / "synthetic_lesion" / "configs"
+    for name in SHARED_FILES[1:]:
+        assert (folder / name).resolve() == (COMMON / name).resolve(), name
+    config = ConfigParser.load_config_file(folder / "train.yaml")
+    assert {"network_def", "model", "cases_per_batch", "image_orientation", "image_preprocess"} <= set(config)
+
+
+FACT_IDS = ("task", "num_classes", "spacing", "max_epochs", "train_on_val", "val_loss", "tra_lr", "patch_size",
+            "train_loss", "tea_z", "tra_preset")  # fmt: skip
+
+
+def _parser(task: str, *extra: str, **overrides) -> ConfigParser:
+    folder = BUNDLES / task / "configs"
+    parser = ConfigParser()
+    parser.read_config([str(folder / "train.yaml"), *(str(folder / e) for e in extra)])
+    parser.read_meta(str(folder / "metadata.json"))
+    parser.update(overrides)
+    return parser
 
 
 @pytest.mark.parametrize("task", TASK_NAMES)
-def test_bundle_trains_and_evaluates_with_unet_and_deepmedic(task, tmp_path, prepared):
-    data = prepared[task][1]
-    unet = tmp_path / "unet"
-    run_task_bundle(task, tmp_path, data, "train.yaml", network="unet3d", output_dir=unet,
-                    patch_size=UNET_TEST_PATCH.get(task, "[32,32,32]"))  # fmt: skip
-    metrics = _metrics(unet / "metrics.json")
-    assert set(metrics) == {"none", "joint"}  # no TTA, and the jointly learned TEA
-    assert json.loads((unet / "policies.json").read_text())["tra"]
-    run_task_bundle(task, tmp_path, data, "train.yaml", "evaluate.yaml", network="unet3d", output_dir=unet,
-                    patch_size=UNET_TEST_PATCH.get(task, "[32,32,32]"))  # fmt: skip
-    assert {"none", "learned"} <= set(_metrics(unet / "metrics_evaluate.json"))
-    assert (unet / "per_case.csv").is_file() and (unet / "per_case_evaluate.csv").is_file()
-    if task in ("atlas_stroke", "cardiac_crosssite"):  # RAS-oriented and stored-axes tasks
-        run_task_bundle(task, tmp_path, data, "train.yaml", "inference.yaml", network="unet3d", output_dir=unet,
-                        patch_size=UNET_TEST_PATCH.get(task, "[32,32,32]"))  # fmt: skip
-        test_cases = json.loads((data / "dataset.json").read_text())["test"]
-        predicted = sorted(p.name for p in (unet / "predictions").glob("*_seg.nii.gz"))
-        assert predicted == sorted(f"{c['case']}_seg.nii.gz" for c in test_cases)
-
-    deepmedic = tmp_path / "deepmedic"
-    run_task_bundle(task, tmp_path, data, "train.yaml", network="deepmedic", output_dir=deepmedic,
-                    network_kwargs=SMALL_DEEPMEDIC, epoch_length=1)  # fmt: skip
-    assert _metrics(deepmedic / "metrics.json")
+def test_every_merged_config_parses_with_the_task_facts(task):
+    """Classes, spacing, the paper's L_val/beta, patch sizes, epochs and the train + validation default come from
+    the TaskSpec; loss, TEA z and initial preset from the network registry: for every network and merged config."""
+    spec = get_task(task)
+    for extra in ((), ("evaluate.yaml",), ("inference.yaml",), ("multi_gpu_train.yaml",)):
+        for network in list_networks():
+            parser = _parser(task, *extra, network=network)
+            parser.parse()
+            net = get_network(network)
+            facts = {k: parser.get_parsed_content(k) for k in FACT_IDS}
+            assert facts == {
+                "task": task, "num_classes": spec.num_classes, "spacing": spec.planning_spacing,
+                "max_epochs": spec.max_epochs, "train_on_val": spec.train_on_val,
+                "val_loss": spec.paper_setting(network, 1.0)[0], "tra_lr": spec.paper_setting(network, 1.0)[1],
+                "patch_size": spec.patch_size(network, net.default_patch), "train_loss": net.train_loss,
+                "tea_z": net.tea_z, "tra_preset": net.tra_preset,
+            }, (extra, network)  # fmt: skip
+            assert "run" in parser and parser.get_parsed_content("dataset_dir") == f"data/{task}"
 
 
-def test_transformer_option_trains(tmp_path, prepared):
-    """The paper's nnFormer rows: a MONAI transformer (UNETR at 32³) on the 50 % split, with its all-0.05 preset."""
+def test_no_config_or_module_asks_which_network_it_has():
+    """Per-network defaults live in the network registry: no branch on a network's name in the YAML or the code."""
+    root = BUNDLES.parent
+    sources = [*BUNDLES.rglob("*.yaml"), *(root / "src").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]
+    branching = re.compile(r"==\s*['\"](deepmedic|unet3d|transformer)['\"]|isinstance\([^)]*DeepMedic\)")
+    assert [str(p) for p in sources if branching.search(p.read_text())] == []
+
+
+def test_cardiac_crosssequence_keeps_its_slices_and_plans_networks_for_10_mm():
+    spec = get_task("cardiac_crosssequence")
+    assert spec.spacing == (1.25, 1.25, 0.0) and spec.planning_spacing == (1.25, 1.25, 10.0)
+    assert _parser("cardiac_crosssequence").get_parsed_content("spacing") == (1.25, 1.25, 10.0)
+
+
+# ------------------------------------------------------------------------------------------ tiny trainings
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_every_task_trains_and_learns_both_policies(task, tiny_runs):
+    run, log = tiny_runs(task)
+    assert_learned(run, MAX_SKIPPED_TRA.get(task, DEFAULT_MAX_SKIPPED_TRA))
+    assert json.loads((run / "policies.json").read_text())["tea"]
+    assert "run summary" in log and "test Dice" in log and str(run / "metrics.json") in log
+    assert len(re.findall(r"epoch 1: TRA policy \d+ updates", log)) == 1  # INFO: a line per epoch, not per update
+    assert not re.search(r"TRA update \d+; most changed", log)
+
+
+def test_evaluate_and_inference_after_training(tiny_runs, prepared, tmp_path):
+    run, _ = tiny_runs("kits19_tumor")
+    data = prepared["kits19_tumor"][1]
+    common = {"output_dir": run, "patch_size": "[16,16,16]", **UNET}
+    log = run_task_bundle("kits19_tumor", tmp_path, data, "train.yaml", "evaluate.yaml", **common)
+    metrics = json.loads((run / "metrics_evaluate.json").read_text())
+    assert set(metrics) == {"none", "heuristic", "learned"}  # the same method names as after training
+    assert (run / "per_case.csv").is_file() and (run / "per_case_evaluate.csv").is_file()
+    assert "run summary" in log and "metrics_evaluate.json" in log
+    run_task_bundle("kits19_tumor", tmp_path, data, "train.yaml", "inference.yaml", **common)
+    test_cases = json.loads((data / "dataset.json").read_text())["test"]
+    predicted = sorted(p.name for p in (run / "predictions").glob("*_seg.nii.gz"))
+    assert predicted == sorted(f"{c['case']}_seg.nii.gz" for c in test_cases)
+
+
+def test_deepmedic_trains_and_learns(tmp_path, prepared):
+    """DeepMedic: 37³ segments (109³ input patches over the context margin), CE, z = 4, its own inferer."""
+    run = tmp_path / "deepmedic"
+    log = run_task_bundle("atlas_stroke", tmp_path, prepared["atlas_stroke"][1], "train.yaml", network="deepmedic",
+                          network_kwargs=SMALL_DEEPMEDIC, output_dir=run, epoch_length=2)  # fmt: skip
+    assert_learned(run)
+    assert "TRA group 1 (foreground), most changed" in log
+
+
+def test_transformer_trains_and_learns(tmp_path, prepared):
+    """The paper's nnFormer rows: a MONAI transformer (UNETR at 16³) on the 50 % split, with its all-0.05 preset."""
     run = tmp_path / "transformer"
     log = run_task_bundle("atlas_stroke", tmp_path, prepared["atlas_stroke"][1], "train.yaml", network="transformer",
-                          train_fraction=0.5, patch_size="[32,32,32]", output_dir=run, epoch_length=1)  # fmt: skip
-    assert _metrics(run / "metrics.json")
+                          network_kwargs=SMALL_UNETR, train_fraction=0.5, patch_size="[16,16,16]", output_dir=run,
+                          epoch_length=2)  # fmt: skip
+    assert_learned(run)
     assert "no L_val/beta" not in log  # the paper has the transformer at 50 %
 
 
-def test_dataset_bundle_multi_gpu_config_runs_under_torchrun(tmp_path, prepared):
+def test_multi_gpu_config_learns_under_torchrun(tmp_path, prepared):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     launcher = (sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}")  # fmt: skip
+    run = tmp_path / "run"
     log = run_task_bundle("kits19_tumor", tmp_path, prepared["kits19_tumor"][1], "train.yaml", "multi_gpu_train.yaml",
-                          launcher=launcher, network="unet3d", output_dir=tmp_path / "run", patch_size="[32,32,32]",
-                          cases_per_batch=1, tra_update_every=1, tea_update_every=1,
-                          accelerator="cpu")  # fmt: skip
+                          launcher=launcher, output_dir=run, patch_size="[16,16,16]", cases_per_batch=1,
+                          samples_per_case=4, accelerator="cpu", **UNET)  # fmt: skip
     # (--accelerator cpu: two gloo ranks on the CPU also where CUDA is available, e.g. a single-GPU machine)
-    assert (tmp_path / "run" / "metrics.json").is_file() and (tmp_path / "run" / "policies.json").is_file()
-    assert log.count(": TEA update 2;") == 1  # rank 0 logs, the updates are collective
+    assert_learned(run)
+    assert (run / "policies.json").is_file()
+    assert log.count("epoch 1: TEA policy") == 1 and log.count("run summary") == 1  # rank 0 logs
 
 
-def _config(task: str) -> dict:
-    return yaml.safe_load((BUNDLES / task / "configs" / "train.yaml").read_text())
-
-
-@pytest.mark.parametrize("task", TASK_NAMES)
-def test_bundle_configs_carry_the_papers_settings(task):
-    config = _config(task)
-    assert config["task"] == task
-    for key in (
-        "dataset_dir",
-        "output_dir",
-        "max_epochs",
-        "epoch_length",
-        "seed",
-        "num_workers",
-        "tra_mode",
-        "tea_mode",
-        "tra_update_every",
-        "tea_update_every",
-        "network",
-        "train_fraction",
-    ):
-        assert key in config, key
-    assert config["tea_lr"] == 5e-5 and config["val_batch_size"] == 10 and config["num_tea_copies"] == 10
-    assert config["cases_per_batch"] * config["samples_per_case"] == 10
-    assert config["max_epochs"] == (2000 if task == "kits19_tumor" else 1000) and config["epoch_length"] == 100
-    assert config["patch_table"]["deepmedic"] == [37, 37, 37]
-    unet_patch = {"prostate_crosssite": [64, 64, 32], "cardiac_crosssequence": [128, 128, 8],
-                  "cardiac_crosssite": [128, 128, 8]}.get(task, [64, 64, 64])  # fmt: skip
-    assert config["patch_table"]["unet3d"] == unet_patch
-    for folder in ("configs/metadata.json", "configs/evaluate.yaml", "configs/inference.yaml",
-                   "configs/multi_gpu_train.yaml", "docs/README.md"):  # fmt: skip
-        assert (BUNDLES / task / folder).is_file(), folder
-
-
-def test_settings_tables_match_spec_section_6():
-    """SPEC §6 table rows: (task, network, fraction) -> (L_val, beta)."""
-    rows = {
-        ("atlas_stroke", "deepmedic", "0.5"): ["dice", 1e-3], ("atlas_stroke", "deepmedic", "1.0"): ["dice", 2e-3],
-        ("atlas_stroke", "unet3d", "0.5"): ["dice", 5e-4], ("atlas_stroke", "unet3d", "1.0"): ["ce", 1e-3],
-        ("atlas_stroke", "transformer", "0.5"): ["dice", 1e-3],
-        ("kits19_tumor", "deepmedic", "0.5"): ["dice", 1e-3], ("kits19_tumor", "deepmedic", "1.0"): ["dice", 1e-3],
-        ("kits19_tumor", "unet3d", "0.5"): ["ce+dice", 5e-4], ("kits19_tumor", "unet3d", "1.0"): ["ce", 5e-4],
-        ("kits19_tumor", "transformer", "0.5"): ["ce", 2e-3],
-        ("btcv_abdomen", "deepmedic", "1.0"): ["ce", 2e-3], ("btcv_abdomen", "unet3d", "1.0"): ["dice", 5e-4],
-        ("prostate_crosssite", "deepmedic", "1.0"): ["ce", 5e-4],
-        ("prostate_crosssite", "unet3d", "1.0"): ["ce", 5e-4],
-        ("cardiac_crosssequence", "unet3d", "1.0"): ["ce", 5e-4],
-        ("cardiac_crosssite", "unet3d", "1.0"): ["dice", 5e-4],
-    }  # fmt: skip
-    found = {(task, net, frac): value for task in TASK_NAMES
-             for net, fracs in _config(task)["settings_table"].items() for frac, value in fracs.items()}  # fmt: skip
-    assert found == rows
-
-
-def test_command_line_flags_are_parsed_as_booleans():
-    """`--train_on_val false` reaches a bundle as the string 'false'; as_flag reads it as False."""
-    from jcsaug.utils import as_flag
-
-    assert [as_flag(v) for v in (True, "true", "True", "yes", "1", 1)] == [True] * 6
-    assert [as_flag(v) for v in (False, "false", "False", "no", "0", 0, None)] == [False] * 7
-    with pytest.raises(ValueError, match="'maybe'"):
-        as_flag("maybe")
-
-
-#: the ids that make a dataset bundle's train.yaml its own; everything else is shared machinery
-TASK_KEYS = {"task", "dataset_dir", "train_fraction", "max_epochs", "train_on_val", "test_split", "num_classes",
-             "spacing", "settings_table", "patch_table"}  # fmt: skip
-
-
-def test_dataset_bundles_share_their_machinery():
-    """The six train.yaml files differ only in the task block: a fix to one must be made to all."""
-    reference = {k: v for k, v in _config(TASK_NAMES[0]).items() if k not in TASK_KEYS}
-    for task in TASK_NAMES[1:]:
-        config = {k: v for k, v in _config(task).items() if k not in TASK_KEYS}
-        differing = sorted(k for k in set(reference) | set(config) if reference.get(k) != config.get(k))
-        assert not differing, f"{task}/configs/train.yaml differs from {TASK_NAMES[0]} in {differing}"
-    for name in ("evaluate.yaml", "inference.yaml", "multi_gpu_train.yaml"):
-        texts = {t: yaml.safe_load((BUNDLES / t / "configs" / name).read_text()) for t in TASK_NAMES}
-        assert all(v == texts[TASK_NAMES[0]] for v in texts.values()), name
+def test_checkpoints_hold_the_updaters_whatever_the_handler_order(prepared, tmp_path):
+    """The updaters and their checkpoint items are built in one step: resolving the checkpoint dict before the
+    handlers, or attaching the handlers in reverse order, gives the same checkpoint contents."""
+    parser = _parser("kits19_tumor", dataset_dir=str(prepared["kits19_tumor"][1]), output_dir=str(tmp_path),
+                     patch_size=[16, 16, 16], network_kwargs={"base_filters": 4}, num_workers=0)  # fmt: skip
+    parser["train_handlers"] = list(reversed(parser["train_handlers"]))
+    checkpoint = parser.get_parsed_content("checkpoint_dict")  # before the handlers and updaters are used
+    updaters = parser.get_parsed_content("policy_updaters")
+    assert checkpoint["tra_updater"] is updaters.tra and checkpoint["tea_updater"] is updaters.tea
+    handlers = parser.get_parsed_content("train_handlers")
+    assert handlers[0].__class__.__name__ == "AtomicCheckpointSaver"  # the saver is attached first now
 
 
 def test_deepmedic_patches_are_centred_inside_the_volume_and_labels_stay_classes(prepared):
     """DeepMedic's margin padding is labelled 255 (no class) so no patch centre falls in it, and is background
     again in the cropped label the loss sees."""
     import numpy as np
-    from monai.bundle import ConfigParser
 
-    parser = ConfigParser()
-    parser.read_config(str(BUNDLES / "kits19_tumor" / "configs" / "train.yaml"))
-    parser.update({"dataset_dir": str(prepared["kits19_tumor"][1]), "network": "deepmedic",
-                   "network_kwargs": {"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]}})  # fmt: skip
+    parser = _parser("kits19_tumor", dataset_dir=str(prepared["kits19_tumor"][1]), network="deepmedic",
+                     network_kwargs={"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]})  # fmt: skip
     files = parser.get_parsed_content("train_files")
     prefix = parser.get_parsed_content("load_transforms") + parser.get_parsed_content("patch_sampling")
     item = dict(files[0])
@@ -204,3 +262,13 @@ def test_deepmedic_patches_are_centred_inside_the_volume_and_labels_stay_classes
     for sample in dataset[0]:
         assert tuple(sample["label"].shape[1:]) == (21, 21, 21) and tuple(sample["image"].shape[1:]) == (109,) * 3
         assert set(np.unique(np.asarray(sample["label"])).tolist()) <= {0, 1, 2}
+
+
+def test_command_line_flags_are_parsed_as_booleans():
+    """`--train_on_val false` reaches a bundle as the string 'false'; as_flag reads it as False."""
+    from jcsaug.utils import as_flag
+
+    assert [as_flag(v) for v in (True, "true", "True", "yes", "1", 1)] == [True] * 6
+    assert [as_flag(v) for v in (False, "false", "False", "no", "0", 0, None)] == [False] * 7
+    with pytest.raises(ValueError, match="'maybe'"):
+        as_flag("maybe")

@@ -160,6 +160,22 @@ def test_policy_plotter_writes_at_completed(tmp_path):
     engine.run([0, 1], max_epochs=2)
     for name in ("policies.png", "policy_history.png"):
         assert mpimg.imread(tmp_path / name)[..., :3].std() > 0
+    # policies.png has a second row: the change from the start (the policies when the plotter was made)
+    _check_png(tmp_path / "policies.png", policy_figsize(2, True, with_changes=True), 120)
+    assert plotter() == [tmp_path / "policies.png", tmp_path / "policy_history.png"]  # unchanged: not redrawn
+    assert plotter.initial[0].logits[0, 0] != tra.logits[0, 0]
+
+
+def test_plot_policy_shows_the_change_from_the_start(tmp_path, policies_file):
+    start = (make_tra_policy("nnunet", 2), make_tea_policy())
+    out = plot_policy(policies_file, tmp_path / "changes.png", initial=start, dpi=40)
+    with_changes = _check_png(out, policy_figsize(2, True, with_changes=True), 40)
+    without = mpimg.imread(plot_policy(policies_file, tmp_path / "final.png", dpi=40))
+    assert with_changes.shape[0] > without.shape[0]
+    initial = save_policies(tmp_path / "start.json", *start)
+    args = _policy_args([str(policies_file), "-o", str(tmp_path / "cli.png"), "--initial", str(initial), "--dpi", "40"])
+    assert run_policy_plot(args) == 0
+    _check_png(tmp_path / "cli.png", policy_figsize(2, True, with_changes=True), 40)
 
 
 def test_policy_plotter_without_history_or_on_other_ranks(tmp_path, monkeypatch):

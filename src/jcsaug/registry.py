@@ -1,10 +1,10 @@
 """One registry pattern for everything chosen by name: networks, losses, hypergradient estimators, test-time
 inferers, presets, tasks, modes and CLI commands.
 
-Each domain keeps one :class:`Registry` and exposes the same three functions around it, as timm does for its
-models: ``register_<thing>`` (also usable as a decorator), ``get_<thing>(name)`` and ``list_<things>()``. An
-unknown name raises :class:`UnknownNameError` (a ``KeyError``) with one message for every registry: what was
-asked for and the valid names.
+Each domain keeps one :class:`Registry` and exposes the same three functions, as timm does for its models:
+``register_<thing> = REGISTRY.register`` (also a decorator), ``get_<thing> = REGISTRY.get`` and
+``list_<things> = REGISTRY.names``. An unknown name raises :class:`UnknownNameError` (a ``KeyError``) with one
+message for every registry: what was asked for and the valid names.
 
 >>> colours = Registry("colour")
 >>> colours.register("red", (255, 0, 0))
@@ -61,12 +61,18 @@ class Registry(Generic[T]):
     @overload
     def register(self, name: str, obj: None = None, *, overwrite: bool = False) -> Callable[[T], T]: ...
 
+    @overload
+    def register(self, name: T, obj: None = None, *, overwrite: bool = False) -> T: ...
+
     def register(self, name, obj=None, *, overwrite=False):
-        """Add ``obj`` under ``name`` (returned unchanged); without ``obj``, a decorator that registers its target.
+        """Add ``obj`` under ``name`` and return it. Three forms: ``register("name", obj)``; ``register(obj)`` for an
+        object that carries its ``name`` (a spec); ``@register("name")`` as a decorator.
 
         Registering a taken name is an error unless ``overwrite=True``.
         """
-        if obj is None:
+        if obj is None and not isinstance(name, str):
+            name, obj = getattr(name, "name", None), name
+        elif obj is None:
             return lambda target: self.register(name, target, overwrite=overwrite)
         if not isinstance(name, str) or not name:
             raise ValueError(f"a {self.kind} name must be a non-empty string, got {name!r}")

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from jcsaug.data.checks import CheckFinited, SafeLoadImaged
 from jcsaug.data.normalise import intensity_normalisation
-from jcsaug.data.synthetic import make_synthetic_dataset
+from jcsaug.data.synthetic import make_synthetic_dataset, synthetic_datalist
 
-__all__ = ["CheckFinited", "SafeLoadImaged", "intensity_normalisation", "make_synthetic_dataset"]
+__all__ = ["CheckFinited", "SafeLoadImaged", "intensity_normalisation", "make_synthetic_dataset", "synthetic_datalist"]

@@ -53,7 +53,14 @@ from tqdm.auto import tqdm
 
 from jcsaug.utils import atomic_write_bytes, atomic_write_text
 
-__all__ = ["SPLITS", "TARGET_SHIFTS", "make_synthetic_dataset", "shift_undoing_ops", "synthesize_case"]
+__all__ = [
+    "SPLITS",
+    "TARGET_SHIFTS",
+    "make_synthetic_dataset",
+    "shift_undoing_ops",
+    "synthesize_case",
+    "synthetic_datalist",
+]
 
 #: split name -> (image folder, label folder, domain)
 SPLITS: dict[str, tuple[str, str, str]] = {
@@ -415,3 +422,12 @@ def make_synthetic_dataset(
     }
     atomic_write_text(json_path, json.dumps(meta, indent=2) + "\n")
     return json_path
+
+
+def synthetic_datalist(out_dir: str | Path, **kwargs) -> Path:
+    """:func:`make_synthetic_dataset` in a distributed run: rank 0 writes it, the other ranks then find it
+    (``ignite.distributed.one_rank_first``); a plain call otherwise."""
+    import ignite.distributed as idist
+
+    with idist.one_rank_first():
+        return make_synthetic_dataset(out_dir, **kwargs)

@@ -20,9 +20,23 @@ from jcsaug.engine.hypergradient import (
     register_hypergradient,
 )
 from jcsaug.engine.losses import LOSSES, SegmentationLoss, get_loss, list_losses, register_loss
-from jcsaug.engine.modes import TEA_MODES, TRA_MODES, AugmentationSetup
+from jcsaug.engine.modes import (
+    TEA_MODES,
+    TRA_MODES,
+    AugmentationSetup,
+    PolicyUpdaters,
+    TEAMode,
+    TRAMode,
+    get_tea_mode,
+    get_tra_mode,
+    list_tea_modes,
+    list_tra_modes,
+    register_tea_mode,
+    register_tra_mode,
+)
 from jcsaug.engine.posthoc import learn_tea_posthoc
 from jcsaug.engine.resume import EpochReseeder, ResumeCheckpoint, StopAfterEpochs
+from jcsaug.engine.summary import RunSummary
 from jcsaug.engine.tea_updater import TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRAPolicyUpdater
 
@@ -30,11 +44,21 @@ __all__ = [
     "AUGMENT_ON",
     "resolve_augment_on",
     "HYPERGRADIENTS",
+    "PolicyUpdaters",
+    "RunSummary",
+    "TEAMode",
+    "TRAMode",
     "get_hypergradient",
+    "get_tea_mode",
+    "get_tra_mode",
     "list_hypergradients",
     "list_losses",
+    "list_tea_modes",
+    "list_tra_modes",
     "register_hypergradient",
     "register_loss",
+    "register_tea_mode",
+    "register_tra_mode",
     "SegmentationLoss",
     "AtomicCheckpointSaver",
     "SafeCheckpointLoader",

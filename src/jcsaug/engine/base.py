@@ -149,7 +149,7 @@ class PolicyUpdater(ABC):
         self.skipped = 0
         self.skip_reasons: Counter[str] = Counter()  # reason -> how many updates it skipped
         self._warned: set[str] = set()
-        self.last_changes: list[tuple[str, float]] = []  # (series/op, signed change), when INFO logging is on
+        self.last_changes: list[tuple[str, float]] = []  # (series/op, signed change), when DEBUG logging is on
         self._synced = False  # whether this update has joined the ranks' all-reduce
         self.effects: OpEffects | None = None  # running op effects of the paired estimators
 
@@ -173,6 +173,8 @@ class PolicyUpdater(ABC):
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.STARTED, self._plan_learning_rate)
         engine.add_event_handler(Events.ITERATION_COMPLETED(every=self.update_every), self._run_update)
+        engine.add_event_handler(Events.EPOCH_STARTED, self._start_epoch)
+        engine.add_event_handler(Events.EPOCH_COMPLETED, self._log_epoch)
 
     def _plan_learning_rate(self, engine: Engine) -> None:
         """With a ``logit_budget``: the base lr from the run's planned updates (see the class docstring)."""
@@ -194,7 +196,7 @@ class PolicyUpdater(ABC):
         return int((engine.state.max_epochs or 1) * (engine.state.epoch_length or 1))
 
     def _run_update(self, engine: Engine) -> None:
-        log = logger.isEnabledFor(logging.INFO)  # the change summary is only worth computing if it is shown
+        log = logger.isEnabledFor(logging.DEBUG)  # the per-update changes are only worth computing if shown
         before = self.policy.probabilities() if log else None
         self._synced = False
         try:
@@ -296,7 +298,9 @@ class PolicyUpdater(ABC):
         mean = (packed[:n] / count).reshape(logits.shape).to(logits.device, logits.dtype)
         return mean, (packed[n : 2 * n] > 0).reshape(logits.shape)
 
-    def _log_changes(self, engine: Engine, before: list[torch.Tensor]) -> None:
+    def _most_changed(self, before: list[torch.Tensor], top: int = 3) -> list[tuple[str, float]]:
+        """The ``top`` ops whose probability changed most since ``before``, each for the class group where it
+        changed most, with the signed change."""
         after = self.policy.probabilities()
         changes = []
         for s, (b, a) in enumerate(zip(before, after)):
@@ -305,13 +309,40 @@ class PolicyUpdater(ABC):
             for j in range(len(diff)):
                 changes.append((f"{self.policy.series_names[s]}/{self.policy.op_names[s][j]}", float(diff[j])))
         changes.sort(key=lambda c: -abs(c[1]))
-        self.last_changes = changes[:3]
-        logger.info(
+        return changes[:top]
+
+    def _log_changes(self, engine: Engine, before: list[torch.Tensor]) -> None:
+        """One DEBUG line per update (INFO gets one line per epoch, :meth:`_log_epoch`)."""
+        self.last_changes = self._most_changed(before)
+        logger.debug(
             "iteration %d: %s update %d; most changed: %s",
             engine.state.iteration,
             self.name,
             self.updates,
             ", ".join(f"{n} ({d:+.2e})" for n, d in self.last_changes),
+        )
+
+    def _start_epoch(self, engine: Engine) -> None:
+        self._epoch_start = (
+            self.updates,
+            self.skipped,
+            self.policy.probabilities() if logger.isEnabledFor(logging.INFO) else None,
+        )
+
+    def _log_epoch(self, engine: Engine) -> None:
+        """One INFO line per epoch: updates done and skipped in it, and the ops that changed most in it."""
+        start = getattr(self, "_epoch_start", None)
+        if start is None or start[2] is None or not logger.isEnabledFor(logging.INFO):
+            return
+        updates, skipped, before = self.updates - start[0], self.skipped - start[1], start[2]
+        changed = ", ".join(f"{n} ({d:+.2e})" for n, d in self._most_changed(before)) if updates else "none"
+        logger.info(
+            "epoch %d: %s policy %d updates, %d skipped; most changed this epoch: %s",
+            engine.state.epoch,
+            self.name,
+            updates,
+            skipped,
+            changed,
         )
 
     # ------------------------------------------------------------------ checkpoints

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import ignite.distributed as idist
+import torch
 from ignite.engine import Engine, Events
 
 from jcsaug.policy.categorical import CategoricalPolicy
@@ -28,8 +29,9 @@ def _probability_scalars(prefix: str, policy: CategoricalPolicy) -> dict[str, fl
 class PolicyExporter:
     """Write the policies of a run (rank 0 only).
 
-    * every epoch: one line of probabilities appended to ``output_dir/policy_history.jsonl`` and, when
-      ``tensorboard_dir`` is given and tensorboard is installed, a scalar per op probability;
+    * every epoch: one line of probabilities appended to ``output_dir/policy_history.jsonl``;
+    * when ``tensorboard_dir`` is given and tensorboard is installed: a scalar per op probability after every
+      policy update (every iteration that changed a policy);
     * at the end of training (and on every epoch, so a crash leaves a recent one): ``policies.json``,
       written atomically, readable by ``jcsaug policy show PATH``.
     """
@@ -50,6 +52,7 @@ class PolicyExporter:
         if idist.get_rank() != 0:
             return
         engine.add_event_handler(Events.STARTED, self._open)
+        engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._epoch)
         engine.add_event_handler(Events.COMPLETED, self.write_policies)
 
@@ -66,6 +69,9 @@ class PolicyExporter:
                 logger.warning("tensorboard is not installed: no policy scalars (pip install jcsaug[tensorboard])")
             else:
                 self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+                self._written_logits = self._logits()  # the start: written at the first update that changes it
+                for tag, value in self._scalars().items():
+                    self._writer.add_scalar(tag, value, engine.state.iteration)
 
     def _scalars(self) -> dict[str, float]:
         scalars = {}
@@ -75,16 +81,30 @@ class PolicyExporter:
             scalars.update(_probability_scalars("tea", self.tea_policy))
         return scalars
 
+    def _logits(self) -> list:
+        return [p.logits.detach().clone() for p in (self.tra_policy, self.tea_policy) if p is not None]
+
+    def _iteration(self, engine: Engine) -> None:
+        """TensorBoard scalars after every iteration that changed a policy (a policy update)."""
+        if self._writer is None:
+            return
+        logits = self._logits()
+        last = getattr(self, "_written_logits", None)
+        if last is not None and all(torch.equal(a, b) for a, b in zip(logits, last)):
+            return
+        self._written_logits = logits
+        for tag, value in self._scalars().items():
+            self._writer.add_scalar(tag, value, engine.state.iteration)
+
     def _epoch(self, engine: Engine) -> None:
         scalars = self._scalars()
         record = {"epoch": engine.state.epoch, "iteration": engine.state.iteration, "probabilities": scalars}
         with open(self.output_dir / "policy_history.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._writer is not None:
-            for tag, value in scalars.items():
-                self._writer.add_scalar(tag, value, engine.state.iteration)
             self._writer.flush()
         self.write_policies(engine)
 
-    def write_policies(self, engine: Engine | None = None) -> Path:
-        return save_policies(self.policies_path, self.tra_policy, self.tea_policy)
+    def write_policies(self, engine: Engine | None = None, tea_policy: CategoricalPolicy | None = None) -> Path:
+        """Write ``policies.json`` now; ``tea_policy`` replaces the exporter's own (e.g. one learned post hoc)."""
+        return save_policies(self.policies_path, self.tra_policy, tea_policy or self.tea_policy)

@@ -116,18 +116,10 @@ HYPERGRADIENTS.register("finite-difference", finite_difference_hypergradient)
 HYPERGRADIENTS.register("jvp", jvp_hypergradient)
 
 
-def register_hypergradient(name: str, estimator=None, overwrite: bool = False):
-    """Make a hypergradient estimator available by name (also a decorator: ``@register_hypergradient("mine")``)."""
-    return HYPERGRADIENTS.register(name, estimator, overwrite=overwrite)
-
-
-def get_hypergradient(name: str):
-    """The estimator called ``name`` (see :func:`list_hypergradients`)."""
-    return HYPERGRADIENTS.get(name)
-
-
-def list_hypergradients() -> list[str]:
-    return HYPERGRADIENTS.names()
+#: ``register_hypergradient(name, estimator)`` (or ``@register_hypergradient(name)``), ``get_hypergradient(name)``,
+#: ``list_hypergradients()``
+register_hypergradient = HYPERGRADIENTS.register
+get_hypergradient, list_hypergradients = HYPERGRADIENTS.get, HYPERGRADIENTS.names
 
 
 def normalise_hypergradient(g: torch.Tensor, groups: torch.Tensor, choices: torch.Tensor) -> torch.Tensor:

@@ -63,9 +63,9 @@ LOSSES.register("dice", per_sample_dice)
 LOSSES.register("ce+dice", per_sample_ce_dice)
 
 
-def register_loss(name: str, loss: PerSampleLoss, overwrite: bool = False) -> PerSampleLoss:
-    """Make a per-sample loss ``(logits, label) -> [B]`` available by name (train and validation losses)."""
-    return LOSSES.register(name, loss, overwrite=overwrite)
+#: ``register_loss(name, loss)`` makes a per-sample loss ``(logits, label) -> [B]`` available by name;
+#: ``list_losses()`` the names
+register_loss, list_losses = LOSSES.register, LOSSES.names
 
 
 def batch_dice_loss(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -88,19 +88,15 @@ def batch_dice_loss(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Te
 
 
 #: name -> validation loss over a whole batch (a list of same-shape chunks) -> scalar
-BATCH_LOSSES: dict[str, Callable[[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]] = {
-    "batch-dice": batch_dice_loss,
-}
+BATCH_LOSSES: Registry[Callable[[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]] = Registry(
+    "validation batch loss", {"batch-dice": batch_dice_loss}, normalise=_loss_key
+)
 
 
 def get_loss(name: str | PerSampleLoss) -> PerSampleLoss:
     """The per-sample loss called ``name`` (``ce``, ``dice``, ``ce+dice``; ``DSC`` reads as ``dice``); a callable is
     returned as it is."""
     return name if callable(name) else LOSSES.get(name)
-
-
-def list_losses() -> list[str]:
-    return LOSSES.names()
 
 
 class SegmentationLoss(torch.nn.Module):

@@ -5,39 +5,167 @@ TRA modes: ``none`` (identity only), ``heuristic`` (fixed preset), ``randaugment
 patches) and ``class-specific`` (one policy per class group).
 TEA modes: ``none`` (no TTA at test time), ``heuristic`` (nnU-Net mirroring), ``learned-posthoc`` (a TEA
 policy learned on the frozen model after training) and ``joint`` (learned together with TRA during
-training).
+training). Both are registries (``register_tra_mode`` / ``get_tra_mode`` / ``list_tra_modes``, the same for TEA).
+
+A run's augmentation is built in three separate steps, each from the previous one's result:
+
+1. :class:`AugmentationSetup` (the mode names) -> the TRA and TEA policies;
+2. :meth:`AugmentationSetup.updaters` (model, optimiser, validation data) -> :class:`PolicyUpdaters`, the Ignite
+   handlers that learn the policies together with what a checkpoint must hold;
+3. after training, :meth:`AugmentationSetup.test_tea_policy` -> the TEA policy to test with (learned now on
+   the frozen network in ``learned-posthoc`` mode), and :attr:`AugmentationSetup.test_methods`, the names of
+   the test-time inferers to evaluate (:func:`jcsaug.inference.make_tta_inferers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import copy
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from monai.inferers import Inferer
+from ignite.engine import Engine
 from torch import nn
 
 from jcsaug.engine.posthoc import learn_tea_posthoc
 from jcsaug.engine.tea_updater import TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRAPolicyUpdater
+from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
-from jcsaug.policy.io import load_policies, save_policies
+from jcsaug.policy.io import load_policies
+from jcsaug.registry import Registry
 
-TRA_MODES = (
-    "none", "heuristic", "randaugment-s", "randaugment-m", "randaugment-l", "fixed", "learned", "class-specific"
-)  # fmt: skip
-TEA_MODES = ("none", "heuristic", "learned-posthoc", "joint")
+__all__ = [
+    "TEA_MODES",
+    "TRA_MODES",
+    "AugmentationSetup",
+    "PolicyUpdaters",
+    "TEAMode",
+    "TRAMode",
+    "get_tea_mode",
+    "get_tra_mode",
+    "list_tea_modes",
+    "list_tra_modes",
+    "register_tea_mode",
+    "register_tra_mode",
+]
+
+
+@dataclass(frozen=True)
+class TRAMode:
+    """What a ``tra_mode`` name means.
+
+    Args:
+        name: the mode's name.
+        preset: the fixed preset the mode always uses (a name, or a mapping: ``{}`` = identity only); ``None``
+            = the run's ``tra_preset``.
+        learned: the policy is learned during training (a :class:`TRAPolicyUpdater`).
+        class_specific: one policy per class group (else one for all patches).
+        from_file: the policy is the TRA policy of a ``policies.json`` (the setup's ``tra_policy_file``), used
+            unchanged (any number of groups).
+    """
+
+    name: str
+    preset: str | Mapping | None = None
+    learned: bool = False
+    class_specific: bool = False
+    from_file: bool = False
+
+
+@dataclass(frozen=True)
+class TEAMode:
+    """What a ``tea_mode`` name means.
+
+    Args:
+        name: the mode's name.
+        test_method: the test-time method evaluated besides ``none`` (a :func:`jcsaug.inference.list_tta_inferers`
+            name), or ``None``.
+        joint: the TEA policy is learned during training (a :class:`TEAPolicyUpdater`), jointly with TRA.
+        posthoc: the TEA policy is learned after training, on the frozen network.
+    """
+
+    name: str
+    test_method: str | None = None
+    joint: bool = False
+    posthoc: bool = False
+
+
+TRA_MODES: Registry[TRAMode] = Registry("tra_mode")
+TEA_MODES: Registry[TEAMode] = Registry("tea_mode")
+
+
+#: ``register_tra_mode(TRAMode(...))``, ``get_tra_mode(name)``, ``list_tra_modes()``; the same for TEA modes
+register_tra_mode, get_tra_mode, list_tra_modes = TRA_MODES.register, TRA_MODES.get, TRA_MODES.names
+register_tea_mode, get_tea_mode, list_tea_modes = TEA_MODES.register, TEA_MODES.get, TEA_MODES.names
+
+
+for _tra in (
+    TRAMode("none", preset={}),
+    TRAMode("heuristic"),
+    TRAMode("randaugment-s", preset="randaugment-s"),
+    TRAMode("randaugment-m", preset="randaugment-m"),
+    TRAMode("randaugment-l", preset="randaugment-l"),
+    TRAMode("fixed", from_file=True),
+    TRAMode("learned", learned=True),
+    TRAMode("class-specific", learned=True, class_specific=True),
+):
+    register_tra_mode(_tra)
+for _tea in (
+    TEAMode("none"),
+    TEAMode("heuristic", test_method="heuristic"),
+    TEAMode("learned-posthoc", test_method="learned", posthoc=True),
+    TEAMode("joint", test_method="learned", joint=True),
+):
+    register_tea_mode(_tea)
+
+
+class PolicyUpdaters(list):
+    """The Ignite handlers that learn a run's policies (a list, possibly empty), and what checkpoints must hold.
+
+    Built in one step by :meth:`AugmentationSetup.updaters`, so :meth:`checkpoint_items` is right whatever order
+    the handlers are attached or resolved in.
+    """
+
+    def __init__(
+        self,
+        tra_policy: CategoricalPolicy,
+        tea_policy: CategoricalPolicy,
+        tra: TRAPolicyUpdater | None = None,
+        tea: TEAPolicyUpdater | None = None,
+    ) -> None:
+        super().__init__(u for u in (tra, tea) if u is not None)
+        self.tra, self.tea = tra, tea
+        self.tra_policy, self.tea_policy = tra_policy, tea_policy
+
+    def attach(self, engine: Engine) -> None:
+        for updater in self:
+            updater.attach(engine)
+
+    def checkpoint_items(self) -> dict:
+        """What a ``CheckpointSaver``/``ResumeCheckpoint`` must hold: each updater (its policy, optimiser and random
+        stream), or the policy itself where nothing learns it."""
+        return {
+            "tra_updater" if self.tra else "tra_policy": self.tra or self.tra_policy,
+            "tea_updater" if self.tea else "tea_policy": self.tea or self.tea_policy,
+        }
+
+    def counts(self) -> dict[str, dict]:
+        """Per updater (``TRA``, ``TEA``): updates done, updates skipped, and how often each skip reason occurred."""
+        return {
+            u.name: {"updates": u.updates, "skipped": u.skipped, "skip_reasons": dict(u.skip_reasons)} for u in self
+        }
 
 
 class AugmentationSetup:
-    """The policies and policy handlers of one run, from its mode names.
+    """The policies of one run, from its mode names (step 1 of 3, see the module docstring).
 
     Args:
-        tra_mode: one of :data:`TRA_MODES`.
-        tea_mode: one of :data:`TEA_MODES`.
-        tra_preset: initial TRA probabilities for ``heuristic``/``learned``/``class-specific``.
+        tra_mode: one of :func:`list_tra_modes`.
+        tea_mode: one of :func:`list_tea_modes`.
+        tra_preset: initial TRA probabilities of the modes without a fixed preset.
         tea_preset: initial TEA probabilities.
-        num_groups: class groups of the ``class-specific`` policy (2 = background/foreground).
+        num_groups: class groups of a class-specific policy (2 = background/foreground).
         tra_policy_file: the ``policies.json`` whose TRA policy the ``fixed`` mode uses (any number of groups).
         tra_estimator: ``"gumbel"`` (the paper's) or ``"paired"`` (see :class:`TRAPolicyUpdater`).
         tra_counterfactuals: counterfactual copies per training patch for the ``"paired"`` estimator; read
@@ -57,29 +185,28 @@ class AugmentationSetup:
         tra_counterfactuals: int = 2,
         tea_estimator: str = "gumbel",
     ) -> None:
-        if tra_mode not in TRA_MODES:
-            raise ValueError(f"unknown tra_mode {tra_mode!r}; choose one of {list(TRA_MODES)}")
-        if tea_mode not in TEA_MODES:
-            raise ValueError(f"unknown tea_mode {tea_mode!r}; choose one of {list(TEA_MODES)}")
-        self.tra_mode, self.tea_mode = tra_mode, tea_mode
+        self.tra, self.tea = get_tra_mode(tra_mode), get_tea_mode(tea_mode)
+        self.tra_mode, self.tea_mode = self.tra.name, self.tea.name
         self.tra_estimator, self.tea_estimator = tra_estimator, tea_estimator
         self.tra_counterfactuals = int(tra_counterfactuals)
-        if tra_mode == "fixed":
-            self.tra_policy = self._fixed_tra_policy(tra_policy_file)
+        if self.tra.from_file:
+            self.tra_policy = self._policy_from_file(tra_policy_file)
         else:
-            preset = {} if tra_mode == "none" else tra_mode if tra_mode.startswith("randaugment") else tra_preset
-            self.tra_policy = make_tra_policy(preset, num_groups=num_groups if tra_mode == "class-specific" else 1)
+            preset = tra_preset if self.tra.preset is None else self.tra.preset
+            self.tra_policy = make_tra_policy(preset, num_groups=num_groups if self.tra.class_specific else 1)
         self.tea_policy = make_tea_policy(tea_preset)
-        self.tra_updater: TRAPolicyUpdater | None = None
-        self.tea_updater: TEAPolicyUpdater | None = None
+        #: copies of the policies as built, before any learning: what the run's changes are measured against
+        self.initial_policies = (copy.deepcopy(self.tra_policy), copy.deepcopy(self.tea_policy))
+        self._posthoc_learned = False
 
-    @staticmethod
-    def _fixed_tra_policy(path: str | Path | None):
+    def _policy_from_file(self, path: str | Path | None) -> CategoricalPolicy:
         if not path:
-            raise ValueError("tra_mode 'fixed' needs the policies.json to reuse: set tra_policy (a file path)")
+            raise ValueError(
+                f"tra_mode {self.tra_mode!r} needs the policies.json to reuse: set tra_policy (a file path)"
+            )
         tra, _ = load_policies(path)
         if tra is None:
-            raise ValueError(f"{path} holds no TRA policy (tra_mode 'fixed')")
+            raise ValueError(f"{path} holds no TRA policy (tra_mode {self.tra_mode!r})")
         tra.logits.requires_grad_(False)  # never learned
         return tra
 
@@ -90,13 +217,24 @@ class AugmentationSetup:
 
     @property
     def learn_tra(self) -> bool:
-        return self.tra_mode in ("learned", "class-specific")
+        return self.tra.learned
 
     @property
     def learn_tea(self) -> bool:
-        return self.tea_mode == "joint"
+        """Whether the TEA policy is learned during training (joint mode)."""
+        return self.tea.joint
 
-    def handlers(
+    @property
+    def tests_learned_tea(self) -> bool:
+        """Whether the run is tested with a learned TEA policy (joint or post hoc)."""
+        return self.tea.joint or self.tea.posthoc
+
+    @property
+    def test_methods(self) -> list[str]:
+        """The test-time methods a run of this mode is evaluated with: ``none`` and the TEA mode's method."""
+        return ["none"] + ([self.tea.test_method] if self.tea.test_method else [])
+
+    def updaters(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
@@ -115,66 +253,46 @@ class AugmentationSetup:
         tra_logit_budget: float | None = None,
         tea_logit_budget: float | None = None,
         tea_patches: int = 1,
-    ) -> list:
-        """The Ignite handlers that learn the policies of this mode (possibly none).
+    ) -> PolicyUpdaters:
+        """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
 
         ``tra_logit_budget`` / ``tea_logit_budget`` (when not ``None``) replace ``tra_lr`` / ``tea_lr`` by a
         learning rate derived from the run's length (see :class:`~jcsaug.engine.base.PolicyUpdater`)."""
+        tra = tea = None
         if self.learn_tra:
-            self.tra_updater = TRAPolicyUpdater(
+            tra = TRAPolicyUpdater(
                 self.tra_policy, model, val_loader, optimizer, lr=tra_lr, update_every=tra_update_every,
                 train_loss=train_loss, val_loss=val_loss, hypergradient=hypergradient,
                 tea_policy=self.tea_policy if self.learn_tea else None, seed=seed, estimator=self.tra_estimator,
                 val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
             )  # fmt: skip
         if self.learn_tea:
-            self.tea_updater = TEAPolicyUpdater(
+            tea = TEAPolicyUpdater(
                 self.tea_policy, model, val_loader, lr=tea_lr, update_every=tea_update_every,
                 num_copies=num_copies, seed=seed, estimator=self.tea_estimator, logit_budget=tea_logit_budget,
                 patches=tea_patches,
             )  # fmt: skip
-        return [u for u in (self.tra_updater, self.tea_updater) if u is not None]
+        return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea)
 
-    def checkpoint_items(self) -> dict:
-        """The updaters to put in a ``CheckpointSaver``/``CheckpointLoader`` ``save_dict`` (after :meth:`handlers`);
-        without updaters the (fixed) policies themselves."""
-        items: dict = {}
-        items["tra_updater" if self.tra_updater else "tra_policy"] = self.tra_updater or self.tra_policy
-        items["tea_updater" if self.tea_updater else "tea_policy"] = self.tea_updater or self.tea_policy
-        return items
-
-    def test_inferers(
+    def test_tea_policy(
         self,
-        base_inferer: Inferer | None = None,
-        z: int = 8,
         network: nn.Module | None = None,
         val_loader: Iterable | None = None,
         posthoc_iterations: int = 100,
         posthoc_lr: float = 5e-3,
         num_copies: int = 10,
         seed: int = 0,
-        output_dir: str | Path | None = None,
-    ) -> dict[str, Inferer]:
-        """Inferers to evaluate after training: ``{"none": plain}`` plus ``{tea_mode: inferer}``.
+    ) -> CategoricalPolicy | None:
+        """Step 3: the TEA policy the run is tested with, or ``None`` if its TEA mode tests no learned policy.
 
-        ``heuristic`` is nnU-Net mirroring; ``joint`` uses the top-``z`` ops of the TEA policy learned
-        during training; ``learned-posthoc`` first learns the TEA policy on the frozen ``network`` from
-        ``val_loader`` (and, given ``output_dir``, adds it to ``output_dir/policies.json``).
+        ``learned-posthoc`` learns it here, once, on the frozen trained ``network`` from ``val_loader``.
         """
-        from jcsaug.inference.tta import MirrorTTAInferer, NoTTAInferer, TEAInferer
-
-        inferers: dict[str, Inferer] = {"none": NoTTAInferer(base_inferer)}
-        if self.tea_mode == "heuristic":
-            inferers["heuristic"] = MirrorTTAInferer(base_inferer)
-        elif self.tea_mode in ("learned-posthoc", "joint"):
-            if self.tea_mode == "learned-posthoc":
-                if network is None or val_loader is None:
-                    raise ValueError("tea_mode 'learned-posthoc' needs the trained network and a validation loader")
-                learn_tea_posthoc(
-                    network, val_loader, posthoc_iterations, posthoc_lr, num_copies, policy=self.tea_policy,
-                    seed=seed, estimator=self.tea_estimator,
-                )  # fmt: skip
-                if output_dir is not None:
-                    save_policies(Path(output_dir) / "policies.json", self.tra_policy, self.tea_policy)
-            inferers[self.tea_mode] = TEAInferer.from_policy(self.tea_policy, z=z, base_inferer=base_inferer)
-        return inferers
+        if self.tea.posthoc and not self._posthoc_learned:
+            if network is None or val_loader is None:
+                raise ValueError(f"tea_mode {self.tea_mode!r} needs the trained network and a validation loader")
+            learn_tea_posthoc(
+                network, val_loader, posthoc_iterations, posthoc_lr, num_copies, policy=self.tea_policy,
+                seed=seed, estimator=self.tea_estimator,
+            )  # fmt: skip
+            self._posthoc_learned = True
+        return self.tea_policy if self.tests_learned_tea else None

@@ -15,9 +15,16 @@ from jcsaug.engine.paired import OpEffects
 from jcsaug.ops.tea import apply_tea_ops, apply_tea_ops_by_shape
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.transforms import centre_class
+from jcsaug.registry import Registry
 
 #: how the copies' Dice scores become a policy gradient (see :class:`TEAPolicyUpdater`)
-TEA_ESTIMATORS = ("gumbel", "paired")
+TEA_ESTIMATORS: Registry[str] = Registry(
+    "TEA estimator",
+    {
+        "gumbel": "straight-through Gumbel weights of the drawn ops (the paper's)",
+        "paired": "each drawn op's Dice against the untouched copy's, as a running effect per op",
+    },
+)
 
 # soft Dice loss over *all* foreground classes (the reference code scores class 1 only: a bug)
 _SOFT_DICE = DiceLoss(include_background=False, to_onehot_y=True, softmax=False, reduction="none")
@@ -73,6 +80,23 @@ class TEAPolicyUpdater(PolicyUpdater):
         logit_budget: derive ``lr`` from the run's length (see :class:`PolicyUpdater`).
         patches: foreground-centred validation patches scored per update (each with its own Z copies).
         effect_smoothing: weight of a new measurement in an op's running effect estimate (``"paired"``).
+
+    Example: learn a TEA policy for a frozen network, one update per iteration::
+
+        >>> import torch
+        >>> from ignite.engine import Engine
+        >>> from jcsaug.policy import make_tea_policy
+        >>> net = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv3d(4, 2, 1))
+        >>> label = torch.zeros(2, 1, 16, 16, 16)
+        >>> label[:, :, 5:11, 5:11, 5:11] = 1  # foreground at the patch centre
+        >>> validation = [{"image": torch.randn(2, 1, 16, 16, 16) + label, "label": label}]
+        >>> policy = make_tea_policy("nnunet")
+        >>> updater = TEAPolicyUpdater(policy, net, validation, lr=0.01, num_copies=4)
+        >>> engine = Engine(lambda engine, batch: None)  # no model step
+        >>> updater.attach(engine)
+        >>> _ = engine.run(range(3), max_epochs=1)
+        >>> updater.updates, bool((policy.logits != make_tea_policy("nnunet").logits).any())
+        (3, True)
     """
 
     def __init__(
@@ -108,8 +132,7 @@ class TEAPolicyUpdater(PolicyUpdater):
             frequency_scaling=estimator == "paired",
         )
         self.mask_undrawn = mask_undrawn
-        if estimator not in TEA_ESTIMATORS:
-            raise KeyError(f"unknown TEA estimator {estimator!r}; choose one of {list(TEA_ESTIMATORS)}")
+        TEA_ESTIMATORS.key(estimator)  # an unknown name: an error listing the valid ones
         if int(patches) < 1:
             raise ValueError(f"patches must be >= 1, got {patches}")
         self.estimator = estimator

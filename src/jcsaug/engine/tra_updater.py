@@ -115,6 +115,32 @@ class TRAPolicyUpdater(PolicyUpdater):
         logit_budget: derive ``lr`` from the run's length (see :class:`PolicyUpdater`).
         cf_op_key: where ``TRACascaded`` stored the counterfactuals' (series, op) pairs (``"paired"``).
         effect_smoothing: weight of a new measurement in an op's running effect estimate (``"paired"``).
+
+    Example: attached to your own Ignite loop (batches from a pipeline with ``ClassGroupd`` and ``TRACascaded``,
+    which record ``class_group`` and ``tra_ops``)::
+
+        >>> import torch
+        >>> from ignite.engine import Engine
+        >>> from monai.networks.nets import UNet
+        >>> from jcsaug.policy import make_tra_policy
+        >>> _ = torch.manual_seed(0)
+        >>> net = UNet(3, 1, 2, channels=(4, 8), strides=(2,))
+        >>> optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+        >>> image = torch.randn(4, 1, 16, 16, 16)
+        >>> label = (image > 1).float()
+        >>> batch = {"image": image, "label": label, "class_group": torch.tensor([0, 1, 0, 1]),
+        ...          "tra_ops": torch.randint(0, 2, (4, 15))}
+        >>> def step(engine, batch):  # your training step
+        ...     optimizer.zero_grad()
+        ...     torch.nn.functional.cross_entropy(net(batch["image"]), batch["label"][:, 0].long()).backward()
+        ...     optimizer.step()
+        >>> trainer = Engine(step)
+        >>> policy = make_tra_policy("nnunet", num_groups=2)
+        >>> updater = TRAPolicyUpdater(policy, net, [{"image": image, "label": label}], optimizer, lr=0.01)
+        >>> updater.attach(trainer)
+        >>> _ = trainer.run([batch] * 2, max_epochs=1)
+        >>> updater.updates, updater.skipped
+        (2, 0)
     """
 
     def __init__(
@@ -167,7 +193,8 @@ class TRAPolicyUpdater(PolicyUpdater):
         self.val_stream = ValidationStream(val_loader)
         self.model_optimizer = optimizer
         self.train_loss = get_loss(train_loss)
-        self.batch_val_loss = BATCH_LOSSES.get(val_loss) if isinstance(val_loss, str) else None
+        batch_loss = isinstance(val_loss, str) and val_loss in BATCH_LOSSES
+        self.batch_val_loss = BATCH_LOSSES.get(val_loss) if batch_loss else None
         self.val_loss = None if self.batch_val_loss else get_loss(val_loss)
         self.hypergradient = get_hypergradient(hypergradient)
         self.tea_policy = tea_policy

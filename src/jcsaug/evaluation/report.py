@@ -1,4 +1,5 @@
-"""Paper-style comparison of methods (SPEC §6): mean metrics, average rank, paired Wilcoxon vs a baseline.
+"""Paper-style comparison of methods (SPEC §6): mean metrics, average rank and, given a baseline, paired Wilcoxon
+tests against it and ΔDSC.
 
 Input: the ``per_case.csv`` of one or more run directories (written by
 :func:`jcsaug.evaluation.evaluate_cases`). Conventions:
@@ -8,17 +9,17 @@ Input: the ``per_case.csv`` of one or more run directories (written by
   two run directories share a name.
 - **Per-case value** of a metric: the mean over the selected foreground classes of the defined values
   (undefined = NaN, see :mod:`jcsaug.evaluation.metrics`); undefined if no class is defined.
-- **Pairing**: every method must have been evaluated on the same case ids (compared exactly), else
-  :class:`ReportError` names the missing cases.
+- **Pairing**: every method must have been evaluated on the same case ids (compared exactly, against the baseline,
+  or the first method without one), else :class:`ReportError` names the missing cases.
 - **Mean**: over the cases with a defined value; the number of undefined cases is reported.
 - **Rank** per metric: 1 = best mean (higher is better for Dice, sensitivity, precision; lower for HD95),
   ties get the average rank (``scipy.stats.rankdata``), an undefined mean ranks last; the **average rank**
   is the mean of these ranks over the metrics.
-- **p-value**: two-sided paired Wilcoxon signed-rank test (``scipy.stats.wilcoxon``, default zero
+- **p-value** (only with a baseline): two-sided paired Wilcoxon signed-rank test (``scipy.stats.wilcoxon``, default zero
   handling: zero differences dropped) of each method against the baseline on the per-case values; pairs
   with an undefined value are dropped. It is 1.0 when all differences are zero, and NaN ("n/a") for the
   baseline itself or without any pair.
-- **ΔDSC**: mean Dice minus the baseline's, in Dice points (×100) as in the paper's tables.
+- **ΔDSC** (only with a baseline): mean Dice minus the baseline's, in Dice points (×100) as in the paper's tables.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ class ReportError(ValueError):
 
 @dataclass
 class Report:
-    """The comparison table; every mapping is keyed by method name, then (where nested) by metric."""
+    """The comparison table; every mapping is keyed by method name, then (where nested) by metric.
 
-    baseline: str
+    Without a baseline (``baseline is None``) ``p_values``, ``n_pairs`` and ``dice_improvement`` are empty."""
+
+    baseline: str | None
     metrics: tuple[str, ...]
     methods: list[str]
     cases: list[str]
@@ -67,16 +70,20 @@ class Report:
     def rows(self) -> list[dict]:
         """One flat dictionary per method (the CSV rows)."""
         rows = []
+        tested = self.baseline is not None
         for m in self.methods:
-            row: dict = {"method": m, "is_baseline": m == self.baseline, "n_cases": len(self.cases)}
+            row: dict = {"method": m, **({"is_baseline": m == self.baseline} if tested else {})}
+            row["n_cases"] = len(self.cases)
             for metric in self.metrics:
                 row[f"{metric}_mean"] = self.means[m][metric]
                 row[f"{metric}_rank"] = self.ranks[m][metric]
-                row[f"{metric}_p"] = self.p_values[m][metric]
-                row[f"{metric}_n_pairs"] = self.n_pairs[m][metric]
+                if tested:
+                    row[f"{metric}_p"] = self.p_values[m][metric]
+                    row[f"{metric}_n_pairs"] = self.n_pairs[m][metric]
                 row[f"{metric}_n_undefined"] = self.n_undefined[m][metric]
             row["average_rank"] = self.average_rank[m]
-            row["dice_improvement"] = self.dice_improvement[m]
+            if tested:
+                row["dice_improvement"] = self.dice_improvement[m]
             rows.append(row)
         return rows
 
@@ -92,9 +99,12 @@ class Report:
         return buffer.getvalue()
 
     def to_markdown(self) -> str:
-        """The paper-style Markdown table (percentages for Dice/sensitivity/precision, mm for HD95)."""
-        head = ["Method", *(_column(m) for m in self.metrics), "Avg. rank", "ΔDSC"]
-        head += [f"p {LABELS[m]}" for m in self.metrics]
+        """The paper-style Markdown table (percentages for Dice/sensitivity/precision, mm for HD95); the ΔDSC and
+        p-value columns only with a baseline."""
+        tested = self.baseline is not None
+        head = ["Method", *(_column(m) for m in self.metrics), "Avg. rank"]
+        if tested:
+            head += ["ΔDSC", *(f"p {LABELS[m]}" for m in self.metrics)]
         best = {k: min(self.ranks[m][k] for m in self.methods) for k in self.metrics}  # bold, ties included
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
         for m in self.methods:
@@ -102,16 +112,24 @@ class Report:
             for metric in self.metrics:
                 text = _format_value(metric, self.means[m][metric])
                 cells.append(f"**{text}**" if self.ranks[m][metric] == best[metric] and text != "n/a" else text)
-            cells += [f"{self.average_rank[m]:.2f}", f"{self.dice_improvement[m]:+.1f}"]
-            cells += [_format_p(self.p_values[m][metric]) for metric in self.metrics]
+            cells.append(f"{self.average_rank[m]:.2f}")
+            if tested:
+                cells.append(f"{self.dice_improvement[m]:+.1f}")
+                cells += [_format_p(self.p_values[m][metric]) for metric in self.metrics]
             lines.append("| " + " | ".join(cells) + " |")
         classes = "all foreground classes" if self.classes is None else f"classes {self.classes}"
-        lines += [
-            "",
+        note = (
             f"{len(self.cases)} paired cases, per-case values averaged over {classes}. Ranks: 1 = best mean per "
-            "metric, ties averaged. p: two-sided paired Wilcoxon signed-rank test against the baseline "
-            "(undefined pairs dropped; 1 when all differences are zero). ΔDSC: Dice points vs the baseline.",
-        ]
+            "metric, ties averaged."
+        )
+        if tested:
+            note += (
+                " p: two-sided paired Wilcoxon signed-rank test against the baseline (undefined pairs dropped; 1 "
+                "when all differences are zero). ΔDSC: Dice points vs the baseline."
+            )
+        else:
+            note += " No baseline: no p-values (give --baseline for paired Wilcoxon tests and ΔDSC)."
+        lines += ["", note]
         undefined = [
             f"{m}: {metric} {self.n_undefined[m][metric]}"
             for m in self.methods
@@ -197,15 +215,16 @@ def _paired_p(method: Sequence[float], baseline: Sequence[float]) -> tuple[float
 
 def build_report(
     run_dirs: Sequence[str | Path],
-    baseline: str,
+    baseline: str | None = None,
     metrics: Sequence[str] = METRICS,
     classes: Sequence[int] | None = None,
 ) -> Report:
-    """Compare the methods of ``run_dirs`` (each holding a ``per_case.csv``) against ``baseline``.
+    """Compare the methods of ``run_dirs`` (each holding a ``per_case.csv``): means and ranks, and with a
+    ``baseline`` paired Wilcoxon tests against it and ΔDSC.
 
     Args:
         run_dirs: run directories; see the module docstring for how methods are named.
-        baseline: the method name the others are tested against.
+        baseline: the method name the others are tested against; ``None``: no tests.
         metrics: metrics of the table, a subset of ``("dice", "sensitivity", "precision", "hd95")``.
         classes: foreground classes to average over (e.g. ``[2]`` for KiTS tumour); None = all.
     """
@@ -225,16 +244,18 @@ def build_report(
         for method, per_metric in read_per_case(csv_path, read_metrics, classes).items():
             values[method if len(run_dirs) == 1 else f"{run_name}/{method}"] = per_metric
     methods = list(values)
-    if baseline not in values:
+    if baseline is not None and baseline not in values:
         raise ReportError(f"unknown baseline {baseline!r}; methods are {methods}")
+    reference = methods[0] if baseline is None else baseline
 
-    cases = sorted(values[baseline]["dice"])
+    cases = sorted(values[reference]["dice"])
     for method in methods:
         own = set(values[method]["dice"])
         lacking, extra = sorted(set(cases) - own), sorted(own - set(cases))
         if lacking or extra:
             raise ReportError(
-                f"method {method!r} is not evaluated on the same cases as the baseline {baseline!r}: "
+                f"method {method!r} is not evaluated on the same cases as {'the baseline ' if baseline else ''}"
+                f"{reference!r}: "
                 f"missing {lacking[:5]}{' ...' if len(lacking) > 5 else ''}, "
                 f"extra {extra[:5]}{' ...' if len(extra) > 5 else ''}"
             )
@@ -247,9 +268,10 @@ def build_report(
         keys = [sign * means[m][k] if math.isfinite(means[m][k]) else math.inf for m in methods]
         for m, r in zip(methods, rankdata(keys, method="average")):
             ranks[m][k] = float(r)
-    p_values: dict[str, dict[str, float]] = {m: {} for m in methods}
-    n_pairs: dict[str, dict[str, int]] = {m: {} for m in methods}
-    for m in methods:
+    tested = [] if baseline is None else methods
+    p_values: dict[str, dict[str, float]] = {m: {} for m in tested}
+    n_pairs: dict[str, dict[str, int]] = {m: {} for m in tested}
+    for m in tested:
         for k in metrics:
             if m == baseline:
                 p_values[m][k], n_pairs[m][k] = math.nan, len(cases)
@@ -266,20 +288,25 @@ def build_report(
         p_values=p_values,
         n_pairs=n_pairs,
         n_undefined={m: {k: sum(1 for v in table[m][k] if not math.isfinite(v)) for k in metrics} for m in methods},
-        dice_improvement={m: 100.0 * (means[m]["dice"] - means[baseline]["dice"]) for m in methods},
+        dice_improvement={}
+        if baseline is None
+        else {m: 100.0 * (means[m]["dice"] - means[baseline]["dice"]) for m in methods},
         classes=None if classes is None else [int(c) for c in classes],
         values=table,
     )
 
 
 def build_report_parser(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``jcsaug report RUN_DIR [RUN_DIR ...] --baseline NAME``."""
-    p.description = "Compare evaluated runs (their per_case.csv): mean metrics, average rank, Wilcoxon vs a baseline."
+    """Arguments of ``jcsaug report RUN_DIR [RUN_DIR ...] [--baseline NAME]``."""
+    p.description = (
+        "Compare evaluated runs (their per_case.csv): mean metrics and average rank; with --baseline also paired "
+        "Wilcoxon tests against it and the Dice improvement."
+    )
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories with a per_case.csv")
     p.add_argument(
         "--baseline",
-        required=True,
-        help="baseline method: the CSV's method name with one RUN_DIR, else '<run dir name>/<method>'",
+        help="baseline method for p-values and ΔDSC: the CSV's method name with one RUN_DIR, else "
+        "'<run dir name>/<method>' (default: no tests)",
     )
     p.add_argument("-o", "--output", type=Path, help="write <OUTPUT>.md and <OUTPUT>.csv (default: Markdown to stdout)")
     p.add_argument("--metrics", nargs="+", choices=METRICS, default=list(METRICS), help="metrics of the table")

@@ -157,6 +157,7 @@ def evaluate_cases(
     spacing_key: str | None = None,
     keep_largest_component: bool = False,
     csv_path: str | Path | None = None,
+    extra: Mapping | None = None,
 ) -> dict:
     """Dice, sensitivity, precision and HD95 of every case under every inferer; returns the metrics dict.
 
@@ -172,6 +173,8 @@ def evaluate_cases(
         spacing_key: key of the data or datalist entry holding the spacing (see :func:`case_spacing`).
         keep_largest_component: keep only the largest connected component of each predicted class.
         csv_path: where to write the per-case CSV (default: ``per_case.csv`` next to ``output_path``).
+        extra: more top-level entries of ``metrics.json`` besides the methods, e.g. the bundles'
+            ``"policy_updates"`` (updates done and skipped per policy updater); not in the returned dict.
 
     Returns:
         ``{method: {"mean_dice", "mean_dice_per_class", "summary": {metric: {"mean", "per_class",
@@ -222,7 +225,10 @@ def evaluate_cases(
         for name, rows in per_method.items()
     }
     if output_path is not None:
-        atomic_write_text(output_path, json.dumps(_json_safe(metrics), indent=1))
+        clash = sorted(set(extra or {}) & set(metrics))
+        if clash:
+            raise ValueError(f"extra metrics.json entries {clash} clash with method names")
+        atomic_write_text(output_path, json.dumps(_json_safe({**metrics, **(extra or {})}), indent=1))
     if csv_path is None and output_path is not None:
         csv_path = Path(output_path).with_name("per_case.csv")
     if csv_path is not None:

@@ -1,4 +1,4 @@
-"""Test-time augmentation inferers."""
+"""Test-time augmentation inferers, built by method name with :func:`make_tta_inferer`."""
 
 from jcsaug.inference.predict import predict_cases
 from jcsaug.inference.tta import (
@@ -6,18 +6,24 @@ from jcsaug.inference.tta import (
     MirrorTTAInferer,
     NoTTAInferer,
     TEAInferer,
-    evaluation_inferers,
+    get_tta_inferer,
+    list_tta_inferers,
     load_tea_policy,
-    tta_inferer,
+    make_tta_inferer,
+    make_tta_inferers,
+    register_tta_inferer,
 )
 
 __all__ = [
-    "evaluation_inferers",
     "TTA_INFERERS",
     "MirrorTTAInferer",
     "NoTTAInferer",
     "TEAInferer",
+    "get_tta_inferer",
+    "list_tta_inferers",
     "load_tea_policy",
+    "make_tta_inferer",
+    "make_tta_inferers",
     "predict_cases",
-    "tta_inferer",
+    "register_tta_inferer",
 ]

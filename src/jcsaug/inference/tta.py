@@ -1,5 +1,9 @@
 """Test-time augmentation inferers (SPEC §5): learned top-z TEA, nnU-Net-style mirroring, none.
 
+One factory builds them by method name, :func:`make_tta_inferer` (``none``, ``heuristic``, ``learned``; more with
+:func:`register_tta_inferer`); the method names are those of ``metrics.json``, ``per_case.csv`` and ``jcsaug
+report``.
+
 They are MONAI ``Inferer`` s wrapping any base inferer (``SimpleInferer``, ``SlidingWindowInferer``):
 each op transforms the input, the base inferer predicts, the op maps the prediction back, and the
 predictions are averaged with the op weights. The ops transform and map back all copies in batched calls
@@ -19,6 +23,7 @@ from monai.inferers import Inferer, SimpleInferer
 from jcsaug.ops.tea import TEA_OPS, TEAOp, apply_tea_ops
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.presets import TEA_FLIP_IDS
+from jcsaug.registry import Registry
 
 Average = Literal["logits", "probabilities"]
 
@@ -33,6 +38,16 @@ class TEAInferer(Inferer):
         average: ``"logits"`` averages the mapped-back network outputs (the reference code's choice);
             ``"probabilities"`` averages their softmax and returns its log (so ``softmax``/``argmax``
             downstream work on either).
+
+    Example: a network that commutes with mirroring predicts the same with and without this TTA::
+
+        >>> import torch
+        >>> from jcsaug.ops.tea import get_tea_op
+        >>> net = torch.nn.Conv3d(1, 2, kernel_size=1)
+        >>> inferer = TEAInferer([get_tea_op("identity"), get_tea_op("mirror_sagittal")], weights=[0.5, 0.5])
+        >>> x = torch.randn(1, 1, 8, 8, 8)
+        >>> torch.allclose(inferer(x, net), net(x), atol=1e-6)
+        True
     """
 
     def __init__(
@@ -69,13 +84,6 @@ class TEAInferer(Inferer):
         logits = policy.logits.detach()[0]
         top = torch.topk(logits, z).indices
         return cls([TEA_OPS[int(i)] for i in top], torch.softmax(logits[top].double(), 0), base_inferer, average)
-
-    @classmethod
-    def from_file(
-        cls, path: str | Path, z: int = 8, base_inferer: Inferer | None = None, average: Average = "logits"
-    ) -> TEAInferer:
-        """Load the TEA policy from a ``policies.json`` or a checkpoint (``.pt``) and keep its top ``z`` ops."""
-        return cls.from_policy(load_tea_policy(path), z, base_inferer, average)
 
     def _predict(self, x: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
         out = self.base_inferer(x, network, *args, **kwargs)
@@ -123,17 +131,22 @@ class NoTTAInferer(TEAInferer):
         super().__init__([TEA_OPS[0]], None, base_inferer)
 
 
-def load_tea_policy(path: str | Path) -> CategoricalPolicy:
-    """The TEA policy of a ``policies.json`` or of a checkpoint holding a ``tea`` updater/policy state."""
+def load_tea_policy(path: str | Path, missing_ok: bool = False) -> CategoricalPolicy | None:
+    """The TEA policy of a ``policies.json`` or of a checkpoint holding a ``tea`` updater/policy state.
+
+    ``missing_ok``: ``None`` instead of an error when the file does not exist or holds no TEA policy.
+    """
     from jcsaug.policy.factory import make_tea_policy
     from jcsaug.policy.io import load_policies
 
     path = Path(path)
     if not path.exists():
+        if missing_ok:
+            return None
         raise FileNotFoundError(f"policy file {path} does not exist")
     if path.suffix == ".json":
         _, tea = load_policies(path)
-        if tea is None:
+        if tea is None and not missing_ok:
             raise ValueError(f"{path} holds no TEA policy")
         return tea
     try:
@@ -146,30 +159,74 @@ def load_tea_policy(path: str | Path) -> CategoricalPolicy:
             policy = make_tea_policy("uniform")
             policy.load_state_dict(entry["policy"] if "policy" in entry else entry)
             return policy
+    if missing_ok:
+        return None
     raise ValueError(f"checkpoint {path} holds no TEA policy (keys: {sorted(state)})")
 
 
-def evaluation_inferers(policies_path: str | Path, base_inferer: Inferer | None = None, z: int = 8) -> dict:
-    """No TTA, nnU-Net mirroring, and (if the run's ``policies.json`` holds one) the learned TEA policy."""
-    inferers: dict[str, TEAInferer] = {"none": NoTTAInferer(base_inferer), "heuristic": MirrorTTAInferer(base_inferer)}
-    from jcsaug.policy.io import load_policies
+TEAPolicyLike = CategoricalPolicy | str | Path | None
 
-    _, tea = load_policies(policies_path)
-    if tea is not None:
-        inferers["learned"] = TEAInferer.from_policy(tea, z, base_inferer)
+
+class _NeedsPolicy(ValueError):
+    """A learned method without a TEA policy to learn from."""
+
+
+def _learned(base: Inferer | None, tea_policy: TEAPolicyLike, z: int) -> TEAInferer:
+    if tea_policy is None:
+        raise _NeedsPolicy("test-time augmentation 'learned' needs a TEA policy, and none was given")
+    if isinstance(tea_policy, (str, Path)):
+        policy = load_tea_policy(tea_policy, missing_ok=True)
+        if policy is None:
+            raise _NeedsPolicy(f"test-time augmentation 'learned' needs a TEA policy: {tea_policy} holds none")
+        tea_policy = policy
+    return TEAInferer.from_policy(tea_policy, z, base)
+
+
+#: test-time method name -> factory ``(base_inferer, tea_policy, z) -> TEAInferer``; the method names of
+#: ``metrics.json``, ``per_case.csv`` and ``jcsaug report``
+TTA_INFERERS: Registry[Callable[[Inferer | None, TEAPolicyLike, int], TEAInferer]] = Registry("test-time augmentation")
+TTA_INFERERS.register("none", lambda base, tea_policy, z: NoTTAInferer(base))
+TTA_INFERERS.register("heuristic", lambda base, tea_policy, z: MirrorTTAInferer(base))
+TTA_INFERERS.register("learned", _learned)
+
+
+#: ``register_tta_inferer(name, factory)`` with ``factory(base_inferer, tea_policy, z) -> Inferer``,
+#: ``get_tta_inferer(name)``, ``list_tta_inferers()``
+register_tta_inferer, get_tta_inferer, list_tta_inferers = TTA_INFERERS.register, TTA_INFERERS.get, TTA_INFERERS.names
+
+
+def make_tta_inferer(
+    method: str, base_inferer: Inferer | None = None, tea_policy: TEAPolicyLike = None, z: int = 8
+) -> TEAInferer:
+    """The one factory of test-time inferers: ``none`` (plain), ``heuristic`` (nnU-Net's 8 mirrorings) or
+    ``learned`` (the top ``z`` ops of ``tea_policy``, a policy or a ``policies.json``/checkpoint path).
+
+    >>> from monai.inferers import SimpleInferer
+    >>> from jcsaug.policy import make_tea_policy
+    >>> policy = make_tea_policy([2.0, 3.0, 1.0] + [0.1] * 81)  # op 1 most probable, then 0, then 2
+    >>> inferer = make_tta_inferer("learned", SimpleInferer(), tea_policy=policy, z=3)
+    >>> [op.name for op in inferer.ops]
+    ['scale_down_0.05', 'identity', 'scale_down_0.15']
+    >>> type(make_tta_inferer("heuristic", SimpleInferer())).__name__  # nnU-Net's 8 mirrorings
+    'MirrorTTAInferer'
+    """
+    return get_tta_inferer(method)(base_inferer, tea_policy, int(z))
+
+
+def make_tta_inferers(
+    methods: Sequence[str],
+    base_inferer: Inferer | None = None,
+    tea_policy: TEAPolicyLike = None,
+    z: int = 8,
+    skip_unavailable: bool = False,
+) -> dict[str, TEAInferer]:
+    """``{method: make_tta_inferer(method, ...)}``; ``skip_unavailable`` leaves out ``learned`` when there is no TEA
+    policy (e.g. every registered method a finished run can be evaluated with)."""
+    inferers = {}
+    for method in methods:
+        try:
+            inferers[method] = make_tta_inferer(method, base_inferer, tea_policy, z)
+        except _NeedsPolicy:
+            if not skip_unavailable:
+                raise
     return inferers
-
-
-#: name -> factory ``(base_inferer, policies_path, z) -> inferer`` of the bundles' ``tea_inference`` switch
-TTA_INFERERS: dict[str, Callable[[Inferer | None, str | Path, int], TEAInferer]] = {
-    "none": lambda base, policies_path, z: NoTTAInferer(base),
-    "heuristic": lambda base, policies_path, z: MirrorTTAInferer(base),
-    "learned": lambda base, policies_path, z: TEAInferer.from_file(policies_path, z, base),
-}
-
-
-def tta_inferer(name: str, base_inferer: Inferer | None, policies_path: str | Path, z: int = 8) -> TEAInferer:
-    """The TTA inferer called ``name`` (``none``, ``heuristic`` mirroring, ``learned`` from ``policies_path``)."""
-    if name not in TTA_INFERERS:
-        raise KeyError(f"unknown test-time augmentation {name!r}; choose one of {sorted(TTA_INFERERS)}")
-    return TTA_INFERERS[name](base_inferer, policies_path, z)

@@ -11,29 +11,33 @@ from jcsaug.networks.deepmedic import (
 )
 from jcsaug.networks.factory import (
     NETWORKS,
+    NetworkSpec,
     NnUNetDynUNet,
     deep_supervision_weights,
-    make_inferer,
+    get_network,
+    list_networks,
     make_network,
     network_patch_sizes,
     nnunet_kernels_strides,
-    patch_sizes_of,
+    register_network,
     split_deep_supervision,
 )
 
 __all__ = [
     "NETWORKS",
     "DeepMedic",
+    "NetworkSpec",
     "NnUNetDynUNet",
     "ValidConvSlidingWindowInferer",
     "centre_crop",
     "crop_label_to_output",
     "deep_supervision_weights",
     "deepmedic_margin",
-    "make_inferer",
+    "get_network",
+    "list_networks",
     "make_network",
     "network_patch_sizes",
     "nnunet_kernels_strides",
-    "patch_sizes_of",
+    "register_network",
     "split_deep_supervision",
 ]

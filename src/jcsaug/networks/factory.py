@@ -1,6 +1,11 @@
 """Networks by name: ``deepmedic`` (ours), ``unet3d`` (MONAI ``DynUNet``, nnU-Net-like) and ``transformer``
 (MONAI ``SwinUNETR``, or ``UNETR`` when SwinUNETR cannot take the patch: an axis not divisible by 32, or 32³).
 
+Each kind is a :class:`NetworkSpec` in a registry (``register_network``, ``get_network``, ``list_networks``) that
+also carries the kind's defaults: training loss, TEA z, initial TRA preset, default patch, whether it plans from the
+voxel spacing, how its patch sizes relate and which whole-volume inferer it uses. Nothing else in the package or the
+bundles asks which network it has.
+
 ``make_network(name, in_channels, out_channels, patch_size, **kwargs)`` builds one; ``patch_size`` is the training
 patch of the U-Net/transformer and the normal-pathway *segment* of DeepMedic (37³ in the paper → logits 21³ from a
 109³ input patch). ``network_patch_sizes(name, patch_size)`` tells a pipeline which patch to sample and which
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -28,16 +34,19 @@ from monai.networks.nets import UNETR, DynUNet, SwinUNETR
 from monai.utils import optional_import
 
 from jcsaug.networks.deepmedic import DeepMedic, ValidConvSlidingWindowInferer
+from jcsaug.registry import Registry
 
 __all__ = [
     "NETWORKS",
+    "NetworkSpec",
     "NnUNetDynUNet",
     "deep_supervision_weights",
-    "make_inferer",
+    "get_network",
+    "list_networks",
     "make_network",
     "network_patch_sizes",
     "nnunet_kernels_strides",
-    "patch_sizes_of",
+    "register_network",
     "split_deep_supervision",
 ]
 
@@ -206,68 +215,119 @@ def build_deepmedic(in_channels: int, out_channels: int, patch_size: SizeLike, *
     return DeepMedic(in_channels, out_channels, segment_size=patch, spatial_dims=len(patch), **kwargs)
 
 
-#: name -> builder ``(in_channels, out_channels, patch_size, **kwargs) -> nn.Module``
-NETWORKS: dict[str, Callable[..., nn.Module]] = {
-    "deepmedic": build_deepmedic,
-    "unet3d": build_unet3d,
-    "transformer": build_transformer,
-}
+def _same_patch(network: nn.Module, patch_size: SizeLike) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return _patch(patch_size), _patch(patch_size)
 
 
-def _builder(name: str) -> Callable[..., nn.Module]:
-    key = str(name).lower()
-    if key not in NETWORKS:
-        raise KeyError(f"unknown network {name!r}; choose one of {sorted(NETWORKS)}")
-    return NETWORKS[key]
+def _deepmedic_sizes(network: nn.Module, patch_size: SizeLike) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return network.input_size, network.output_size
+
+
+def sliding_window_inferer(
+    network: nn.Module, patch_size: SizeLike, overlap: float = 0.5, sw_batch_size: int = 4, **_: object
+) -> Inferer:
+    """MONAI ``SlidingWindowInferer`` over ``patch_size`` windows, Gaussian weighting, ``overlap`` 0.5 (the
+    reference's step 0.5, sigma = patch / 8)."""
+    return SlidingWindowInferer(
+        roi_size=_patch(patch_size), sw_batch_size=sw_batch_size, overlap=overlap, mode="gaussian", sigma_scale=0.125
+    )
+
+
+def deepmedic_inferer(
+    network: nn.Module, patch_size: SizeLike, sw_batch_size: int = 4, segment: SizeLike = 45, **_: object
+) -> Inferer:
+    """:class:`ValidConvSlidingWindowInferer` tiling volumes with normal-pathway segments of ``segment`` (45³ as
+    the reference, each predicting 29³)."""
+    output = tuple(s - network.shrink for s in _patch(segment))
+    return ValidConvSlidingWindowInferer.for_network(network, output, sw_batch_size=sw_batch_size)
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    """A network kind by name, with the defaults that go with it (SPEC §2, §5, §6).
+
+    Args:
+        name: the bundles' ``network`` value.
+        build: ``(in_channels, out_channels, patch_size, **kwargs) -> nn.Module``.
+        train_loss: the training loss (``ce`` for DeepMedic, ``ce+dice`` for the U-Nets, SPEC §6).
+        tea_z: TEA ops used at test time (z = 4 for DeepMedic, 8 for the 3D U-Net).
+        tra_preset: initial / heuristic TRA preset (SPEC §2).
+        default_patch: training patch where a task names none (DeepMedic: its normal-pathway segment).
+        uses_spacing: the builder takes the voxel ``spacing`` (nnU-Net-like planning of kernels and pooling).
+        patch_sizes: ``(network, patch_size) -> (input_size, output_size)`` for networks whose logits cover less
+            than their input (DeepMedic); ``None`` = the output covers the input patch.
+        inferer: ``(network, patch_size, **options) -> Inferer`` tiling whole volumes.
+    """
+
+    name: str
+    build: Callable[..., nn.Module]
+    train_loss: str = "ce+dice"
+    tea_z: int = 8
+    tra_preset: str = "nnunet"
+    default_patch: tuple[int, int, int] = (64, 64, 64)
+    uses_spacing: bool = False
+    patch_sizes: Callable[[nn.Module, SizeLike], tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+    inferer: Callable[..., Inferer] = sliding_window_inferer
+
+    def make(
+        self,
+        in_channels: int,
+        out_channels: int,
+        patch_size: SizeLike | None = None,
+        spacing: Sequence[float] | None = None,
+        **kwargs,
+    ) -> nn.Module:
+        """Build the network; ``spacing`` reaches builders that plan from it and is ignored by the others."""
+        if self.uses_spacing and spacing is not None:
+            kwargs["spacing"] = spacing
+        return self.build(in_channels, out_channels, self.default_patch if patch_size is None else patch_size, **kwargs)
+
+    def sizes(self, network: nn.Module, patch_size: SizeLike) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(input_size, output_size)`` of a built ``network`` (DDP-wrapped or not): the patch to sample and the
+        centre region of the label its logits cover."""
+        return (self.patch_sizes or _same_patch)(getattr(network, "module", network), patch_size)
+
+    def plan(self, patch_size: SizeLike, **kwargs) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """:meth:`sizes` without building weights (the network is built on the meta device if its sizes need it)."""
+        if self.patch_sizes is None:
+            return _same_patch(None, patch_size)  # type: ignore[arg-type]
+        with torch.device("meta"):
+            return self.sizes(self.make(1, 2, patch_size, **kwargs), patch_size)
+
+    def make_inferer(self, network: nn.Module, patch_size: SizeLike, **options) -> Inferer:
+        """The whole-volume inferer for ``network`` (DDP-wrapped or not)."""
+        return self.inferer(getattr(network, "module", network), patch_size, **options)
+
+
+#: network name -> :class:`NetworkSpec`
+NETWORKS: Registry[NetworkSpec] = Registry("network", normalise=str.lower)
+
+
+#: ``register_network(spec)`` makes a kind available by name (:func:`make_network`, the bundles' ``network`` id);
+#: ``get_network(name)`` (case-insensitive) and ``list_networks()`` look them up
+register_network, get_network, list_networks = NETWORKS.register, NETWORKS.get, NETWORKS.names
+
+
+register_network(
+    NetworkSpec(
+        "deepmedic", build_deepmedic, train_loss="ce", tea_z=4, tra_preset="deepmedic", default_patch=(37, 37, 37),
+        patch_sizes=_deepmedic_sizes, inferer=deepmedic_inferer,
+    )
+)  # fmt: skip
+register_network(NetworkSpec("unet3d", build_unet3d, uses_spacing=True))
+register_network(NetworkSpec("transformer", build_transformer, tra_preset="all-0.05"))
 
 
 def make_network(name: str, in_channels: int, out_channels: int, patch_size: SizeLike, **kwargs) -> nn.Module:
-    """Build a network by name (see :data:`NETWORKS`); unknown names raise ``KeyError`` listing the choices."""
-    return _builder(name)(in_channels, out_channels, patch_size, **kwargs)
+    """Build a network by name (see :func:`list_networks`); unknown names raise ``KeyError`` listing the choices."""
+    return get_network(name).make(in_channels, out_channels, patch_size, **kwargs)
 
 
 def network_patch_sizes(name: str, patch_size: SizeLike, **kwargs) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(input_size, output_size)``: the patch to sample and the centre region its logits cover.
 
     DeepMedic: ``patch_size`` is the segment, e.g. 37³ → ``((109,)*3, (21,)*3)`` (crop labels with
-    ``crop_label_to_output``); the others: ``(patch, patch)``. DeepMedic is built on the meta device (no memory,
-    no weights) to read its sizes; :func:`patch_sizes_of` reads them from a network already built.
+    ``crop_label_to_output``); the others: ``(patch, patch)``. Nothing is built with weights (see
+    :meth:`NetworkSpec.plan`); :meth:`NetworkSpec.sizes` reads them from a network already built.
     """
-    builder = _builder(name)
-    patch = _patch(patch_size)
-    if builder is not build_deepmedic:
-        return patch, patch
-    with torch.device("meta"):
-        return patch_sizes_of(builder(1, 2, patch, **kwargs), patch)
-
-
-def patch_sizes_of(network: nn.Module, patch_size: SizeLike) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(input_size, output_size)`` of a built network (DDP-wrapped or not): DeepMedic's input patch and logits
-    region, or ``(patch, patch)`` for networks whose output covers their input."""
-    net = getattr(network, "module", network)
-    if isinstance(net, DeepMedic):
-        return net.input_size, net.output_size
-    return _patch(patch_size), _patch(patch_size)
-
-
-def make_inferer(
-    network: nn.Module,
-    patch_size: SizeLike,
-    overlap: float = 0.5,
-    sw_batch_size: int = 4,
-    deepmedic_segment: SizeLike = 45,
-) -> Inferer:
-    """The whole-volume inferer for ``network`` (DDP-wrapped or not).
-
-    DeepMedic: :class:`ValidConvSlidingWindowInferer` with normal-pathway segments of ``deepmedic_segment`` (45³
-    as the reference, each predicting 29³). Others: MONAI ``SlidingWindowInferer`` over ``patch_size`` windows,
-    Gaussian weighting, ``overlap`` 0.5 (the reference's step 0.5, σ = patch/8).
-    """
-    net = getattr(network, "module", network)
-    if isinstance(net, DeepMedic):
-        segment = _patch(deepmedic_segment)
-        output = tuple(s - net.shrink for s in segment)
-        return ValidConvSlidingWindowInferer.for_network(net, output, sw_batch_size=sw_batch_size)
-    return SlidingWindowInferer(
-        roi_size=_patch(patch_size), sw_batch_size=sw_batch_size, overlap=overlap, mode="gaussian", sigma_scale=0.125
-    )
+    return get_network(name).plan(patch_size, **kwargs)

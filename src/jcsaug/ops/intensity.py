@@ -8,14 +8,21 @@ tests compare every op with the MONAI transform it stands for. Blur and sharpeni
 
 Every op returns a new tensor and applies to the whole batch; :func:`select` applies an op to the samples
 that drew it and leaves the others untouched, bit for bit.
+
+:data:`INTENSITY_KINDS` is the one table of the intensity kinds both catalogues use (TRA series, TEA ops), in the
+reference order of application; :func:`apply_kinds` runs them on a batch with one value per sample and kind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from jcsaug.ops import filters
+from jcsaug.registry import Registry
 
 _EPSILON = 1e-7  # MONAI AdjustContrast's
 
@@ -102,3 +109,50 @@ def select(x: torch.Tensor, mask, fn, *params, inplace: bool = False) -> torch.T
     dev_idx = torch.tensor(idx, device=x.device)
     out[dev_idx] = fn(x[dev_idx], *picked)
     return out
+
+
+@dataclass(frozen=True)
+class IntensityKind:
+    """One intensity kind: the batched op ``op(x [B, C, X, Y, Z], values [B])`` and the value that leaves a
+    sample untouched (``noise`` also takes one seed per sample)."""
+
+    name: str
+    op: Callable[..., torch.Tensor]
+    identity: float
+
+
+#: the intensity kinds of the TRA and TEA catalogues, in the reference order of application (SPEC §2):
+#: noise -> blur/sharpen -> shift/scale -> contrast -> low resolution -> inverted gamma -> gamma
+INTENSITY_KINDS: Registry[IntensityKind] = Registry("intensity kind")
+for _kind in (
+    IntensityKind("noise", add_noise, 0.0),
+    IntensityKind("blur", filters.gaussian_blur_batch, 0.0),
+    IntensityKind("sharpen", filters.log_sharpen_batch, 0.0),
+    IntensityKind("shift", shift, 0.0),
+    IntensityKind("intensity_scale", scale, 1.0),
+    IntensityKind("contrast", contrast, 1.0),
+    IntensityKind("low_resolution", low_resolution, 1.0),
+    IntensityKind("inverted_gamma", inverted_gamma, 1.0),
+    IntensityKind("gamma", gamma, 1.0),
+):
+    INTENSITY_KINDS.register(_kind)
+
+
+def apply_kinds(
+    x: torch.Tensor, values: Mapping[str, Sequence[float]], seeds: Sequence[int] = (), inplace: bool = False
+) -> torch.Tensor:
+    """Every intensity kind in the reference order, each on the samples whose value is not its identity.
+
+    Args:
+        x: a batch ``[B, C, X, Y, Z]``.
+        values: kind -> one value per sample (kinds left out apply to none).
+        seeds: one noise seed per sample (for ``noise``).
+        inplace: write into ``x`` (which the caller owns).
+    """
+    for name, kind in INTENSITY_KINDS.items():
+        if name not in values:
+            continue
+        v = list(values[name])
+        extra = (list(seeds),) if name == "noise" else ()
+        x = select(x, [value != kind.identity for value in v], kind.op, v, *extra, inplace=inplace)
+    return x

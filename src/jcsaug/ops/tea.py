@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from monai.transforms.utils import create_rotate, create_scale
 
-from jcsaug.ops import filters, intensity
+from jcsaug.ops import intensity
 from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL, rotation_plane
 from jcsaug.ops.resample import affine_grid, resample
 
@@ -121,6 +121,16 @@ class TEAOp:
     def is_spatial(self) -> bool:
         """Whether the op moves voxels (labels and predictions must follow it)."""
         return self.kind in SPATIAL_KINDS
+
+    @property
+    def value(self) -> float:
+        """The parameter of an intensity op (:data:`jcsaug.ops.intensity.INTENSITY_KINDS`): a gamma or factor
+        ``(1 + M) ** sign``, a shift ``sign * M``, a sigma, a noise std or a zoom ``M``."""
+        if self.kind in ("gamma", "inverted_gamma", "intensity_scale", "contrast"):
+            return (1.0 + self.magnitude) ** self.sign
+        if self.kind == "shift":
+            return self.sign * self.magnitude
+        return self.magnitude
 
     # ------------------------------------------------------------------ spatial helpers
     @property
@@ -305,27 +315,15 @@ def _spatial_rows(ops: Sequence[TEAOp], x: torch.Tensor, what: str) -> list[torc
 
 
 def _intensity_rows(ops: Sequence[TEAOp], x: torch.Tensor) -> torch.Tensor:
-    """The intensity part of ``ops[k]`` on row ``x[k]`` (a [C, X, Y, Z] sample), vectorised per op kind."""
-    kinds = [op.kind for op in ops]
-
-    def rows(*wanted: str) -> list[bool]:
-        return [k in wanted for k in kinds]
-
-    def factor(op: TEAOp) -> float:
-        return (1.0 + op.magnitude) ** op.sign
-
-    noise = [op.magnitude if op.kind == "noise" else 0.0 for op in ops]
-    x = intensity.select(x, rows("noise"), intensity.add_noise, noise, [NOISE_SEED_BASE + op.id for op in ops])
-    sigma = [op.magnitude for op in ops]
-    x = intensity.select(x, rows("blur"), filters.gaussian_blur_batch, sigma)
-    x = intensity.select(x, rows("sharpen"), filters.log_sharpen_batch, sigma)
-    x = intensity.select(x, rows("shift"), intensity.shift, [op.sign * op.magnitude for op in ops])
-    factors = [factor(op) for op in ops]
-    x = intensity.select(x, rows("intensity_scale"), intensity.scale, factors)
-    x = intensity.select(x, rows("contrast"), intensity.contrast, factors)
-    x = intensity.select(x, rows("low_resolution"), intensity.low_resolution, sigma)
-    x = intensity.select(x, rows("inverted_gamma"), intensity.inverted_gamma, factors)
-    return intensity.select(x, rows("gamma"), intensity.gamma, factors)
+    """The intensity part of ``ops[k]`` on row ``x[k]`` (a [C, X, Y, Z] sample), vectorised per op kind (the
+    table :data:`jcsaug.ops.intensity.INTENSITY_KINDS` the TRA cascade uses too)."""
+    kinds = intensity.INTENSITY_KINDS
+    values = {
+        name: [op.value if op.kind == name else kind.identity for op in ops]
+        for name, kind in kinds.items()
+        if any(op.kind == name for op in ops)
+    }
+    return intensity.apply_kinds(x, values, [NOISE_SEED_BASE + op.id for op in ops])
 
 
 def apply_tea_ops(ops: Sequence[TEAOp], x: torch.Tensor, what: str = "image") -> list[torch.Tensor]:

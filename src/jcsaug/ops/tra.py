@@ -27,11 +27,12 @@ import numpy as np
 import torch
 from monai.transforms.utils import create_rotate, create_scale
 
-from jcsaug.ops import filters, intensity
+from jcsaug.ops import intensity
 from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL, rotation_plane
 from jcsaug.ops.catalogue import OpSpec, Series
 from jcsaug.ops.resample import affine_grid as resample_grid
 from jcsaug.ops.resample import resample, separable_axis
+from jcsaug.registry import Registry
 
 _THREE_BINS = ((0.0, 0.1), (0.1, 0.2), (0.2, 0.3))
 
@@ -125,10 +126,6 @@ def _signed_factor(op: OpSpec, rng: np.random.RandomState) -> float:
     return (1.0 + abs(m)) ** (1 if m >= 0 else -1)
 
 
-def _sample_scale(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
-    p.scale = _signed_factor(op, rng)
-
-
 def _sample_rotate(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
     p.angles[op.axis] = math.radians(_magnitude(op, rng))
 
@@ -141,59 +138,46 @@ def _sample_flip(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
     p.flip_axes.append(op.axis)
 
 
-def _sample_gamma(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
-    p.gamma = _signed_factor(op, rng)
-
-
-def _sample_inverted_gamma(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
-    p.inverted_gamma = _signed_factor(op, rng)
-
-
-def _sample_shift(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
-    p.shift = _magnitude(op, rng)
-
-
-def _sample_intensity_scale(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
-    p.intensity_factor = _signed_factor(op, rng)
-
-
-def _sample_contrast(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
-    p.contrast_factor = _signed_factor(op, rng)
-
-
-def _sample_blur(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
-    p.blur_sigma = _magnitude(op, rng)
-
-
-def _sample_sharpen(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
-    p.sharpen_sigma = _magnitude(op, rng)
-
-
 def _sample_noise(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
     p.noise_std = _magnitude(op, rng)
     p.noise_seed = int(rng.randint(0, 2**31 - 1))
 
 
-def _sample_low_resolution(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
-    p.lowres_zoom = _magnitude(op, rng)
+def _value_sampler(name: str, draw: Callable) -> Callable[[TRAParams, OpSpec, np.random.RandomState], None]:
+    """A sampler setting the field ``name`` of the params to ``draw(op, rng)``."""
+
+    def sample(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
+        setattr(p, name, draw(op, rng))
+
+    return sample
 
 
-#: op kind -> parameter sampler (a registry rather than an if-chain).
-PARAM_SAMPLERS = {
-    "scale": _sample_scale,
-    "rotate": _sample_rotate,
-    "rot90": _sample_rot90,
-    "flip": _sample_flip,
-    "gamma": _sample_gamma,
-    "inverted_gamma": _sample_inverted_gamma,
-    "shift": _sample_shift,
-    "intensity_scale": _sample_intensity_scale,
-    "contrast": _sample_contrast,
-    "blur": _sample_blur,
-    "sharpen": _sample_sharpen,
-    "noise": _sample_noise,
-    "low_resolution": _sample_low_resolution,
+#: intensity kind -> the :class:`TRAParams` field holding its value (the kinds of
+#: :data:`jcsaug.ops.intensity.INTENSITY_KINDS`, shared with the TEA catalogue)
+INTENSITY_FIELDS: dict[str, str] = {
+    "noise": "noise_std",
+    "blur": "blur_sigma",
+    "sharpen": "sharpen_sigma",
+    "shift": "shift",
+    "intensity_scale": "intensity_factor",
+    "contrast": "contrast_factor",
+    "low_resolution": "lowres_zoom",
+    "inverted_gamma": "inverted_gamma",
+    "gamma": "gamma",
 }
+#: intensity kinds whose value is a factor ``(1 + M) ** ±1``; the others' value is the (signed) magnitude
+_FACTOR_KINDS = frozenset({"gamma", "inverted_gamma", "intensity_scale", "contrast"})
+
+#: op kind -> parameter sampler ``(params, op, rng)`` (a registry rather than an if-chain)
+PARAM_SAMPLERS: Registry = Registry("TRA op kind")
+PARAM_SAMPLERS.register("scale", _value_sampler("scale", _signed_factor))
+PARAM_SAMPLERS.register("rotate", _sample_rotate)
+PARAM_SAMPLERS.register("rot90", _sample_rot90)
+PARAM_SAMPLERS.register("flip", _sample_flip)
+PARAM_SAMPLERS.register("noise", _sample_noise)
+for _kind, _name in INTENSITY_FIELDS.items():
+    if _kind != "noise":
+        PARAM_SAMPLERS.register(_kind, _value_sampler(_name, _signed_factor if _kind in _FACTOR_KINDS else _magnitude))
 
 
 def _reset_scale(p: TRAParams, op: OpSpec) -> None:
@@ -225,15 +209,10 @@ PARAM_RESETTERS: dict[str, Callable[[TRAParams, OpSpec], None]] = {
     "rotate": _reset_rotate,
     "rot90": _reset_rot90,
     "flip": _reset_flip,
-    "gamma": _reset_field("gamma", 1.0),
-    "inverted_gamma": _reset_field("inverted_gamma", 1.0),
-    "shift": _reset_field("shift", 0.0),
-    "intensity_scale": _reset_field("intensity_factor", 1.0),
-    "contrast": _reset_field("contrast_factor", 1.0),
-    "blur": _reset_field("blur_sigma", 0.0),
-    "sharpen": _reset_field("sharpen_sigma", 0.0),
-    "noise": _reset_field("noise_std", 0.0),
-    "low_resolution": _reset_field("lowres_zoom", 1.0),
+    **{
+        kind: _reset_field(name, intensity.INTENSITY_KINDS.get(kind).identity)
+        for kind, name in INTENSITY_FIELDS.items()
+    },
 }
 
 
@@ -255,7 +234,7 @@ def replace_series_op(
         PARAM_RESETTERS[op.kind](out, op)
     op = chosen.op(int(op_index))
     if op is not None:
-        PARAM_SAMPLERS[op.kind](out, op, rng)
+        PARAM_SAMPLERS.get(op.kind)(out, op, rng)
     return out
 
 
@@ -269,7 +248,7 @@ def sample_tra_params(
     for s, index in zip(series, choices):
         op = s.op(int(index))
         if op is not None:
-            PARAM_SAMPLERS[op.kind](params, op, rng)
+            PARAM_SAMPLERS.get(op.kind)(params, op, rng)
     return params
 
 
@@ -351,29 +330,12 @@ def _flips(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.T
     return x
 
 
-#: the intensity ops after the noise, in the reference order: (TRAParams field, its identity value, batched op)
-_INTENSITY_STEPS = (
-    ("blur_sigma", 0.0, filters.gaussian_blur_batch),
-    ("sharpen_sigma", 0.0, filters.log_sharpen_batch),
-    ("shift", 0.0, intensity.shift),
-    ("intensity_factor", 1.0, intensity.scale),
-    ("contrast_factor", 1.0, intensity.contrast),
-    ("lowres_zoom", 1.0, intensity.low_resolution),
-    ("inverted_gamma", 1.0, intensity.inverted_gamma),
-    ("gamma", 1.0, intensity.gamma),
-)
-
-
 def _intensity(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.Tensor:
-    """Intensity part of the cascade, in the reference order:
+    """Intensity part of the cascade, in the reference order of :data:`jcsaug.ops.intensity.INTENSITY_KINDS`:
     noise -> blur/sharpen -> shift/scale -> contrast -> low resolution -> inverted gamma -> gamma.
     Each op runs on the samples that drew it (all at once); the others are left untouched."""
-    noise, seeds = [p.noise_std for p in params], [p.noise_seed for p in params]
-    x = intensity.select(x, [v != 0.0 for v in noise], intensity.add_noise, noise, seeds, inplace=owned)
-    for name, identity, op in _INTENSITY_STEPS:
-        values = [getattr(p, name) for p in params]
-        x = intensity.select(x, [v != identity for v in values], op, values, inplace=owned)
-    return x
+    values = {kind: [getattr(p, name) for p in params] for kind, name in INTENSITY_FIELDS.items()}
+    return intensity.apply_kinds(x, values, [p.noise_seed for p in params], inplace=owned)
 
 
 def apply_tra_batch(

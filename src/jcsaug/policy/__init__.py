@@ -2,6 +2,7 @@
 
 from jcsaug.policy.cascade import BatchTRACascaded, TRACascaded
 from jcsaug.policy.categorical import NOT_APPLIED, CategoricalPolicy
+from jcsaug.policy.changes import OpChange, policy_changes
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
 from jcsaug.policy.gumbel import conditional_gumbel_softmax, gumbel_softmax, straight_through_weight
 from jcsaug.policy.presets import (
@@ -26,6 +27,7 @@ __all__ = [
     "CategoricalPolicy",
     "ClassGroupd",
     "LearnableOneOfd",
+    "OpChange",
     "TRACascaded",
     "centre_class",
     "conditional_gumbel_softmax",
@@ -36,6 +38,7 @@ __all__ = [
     "list_tra_presets",
     "make_tea_policy",
     "make_tra_policy",
+    "policy_changes",
     "register_tea_preset",
     "register_tra_preset",
     "series_probs",

@@ -70,6 +70,16 @@ class TRACascaded(Randomizable, MapTransform):
             ``key + "_cf"`` (``[K, C, X, Y, Z]``) for every image and label key and ``cf_op_key`` (``[K, 2]``:
             series, op of the copy). 0 (default) makes none and adds nothing to the sample.
         cf_op_key: where the counterfactual (series, op) pairs are stored.
+
+    Example::
+
+        >>> import torch
+        >>> from jcsaug.policy import make_tra_policy
+        >>> tra = TRACascaded("image", make_tra_policy("nnunet", num_groups=2), label_keys="label").set_random_state(0)
+        >>> sample = {"image": torch.rand(1, 16, 16, 16), "label": torch.zeros(1, 16, 16, 16), "class_group": 1}
+        >>> out = tra(sample)  # one op per series, drawn from group 1's probabilities
+        >>> out["image"].shape, out["label"].shape, out["tra_ops"].shape
+        (torch.Size([1, 16, 16, 16]), torch.Size([1, 16, 16, 16]), torch.Size([15]))
     """
 
     def __init__(

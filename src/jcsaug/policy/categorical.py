@@ -29,6 +29,22 @@ class CategoricalPolicy(nn.Module):
             groups or ``[num_groups, n]``).
         series_names: names of the series (for logs and exports).
         op_names: names of the ops of each series (identity included).
+
+    Example: two series (3 and 2 ops) and two class groups; a worker draws ops, the updater weights them::
+
+        >>> import numpy as np, torch
+        >>> policy = CategoricalPolicy([3, 2], num_groups=2, series_names=["flip", "noise"])
+        >>> [p.shape for p in policy.probabilities()]  # one [groups, ops] tensor per series
+        [torch.Size([2, 3]), torch.Size([2, 2])]
+        >>> policy.set_probabilities([[0.5, 0.25, 0.25], [0.9, 0.1]])
+        >>> policy.probabilities()[1][0]
+        tensor([0.9000, 0.1000])
+        >>> choices = policy.sample_ops(1, np.random.RandomState(0))  # one op per series for a group-1 patch
+        >>> choices
+        array([1, 0])
+        >>> weight = policy.weights(torch.tensor(np.array([choices])), torch.tensor([1]), torch.Generator())
+        >>> weight  # exactly 1 in value; its gradient reaches group 1's logits only
+        tensor([1.], grad_fn=<ProdBackward1>)
     """
 
     def __init__(

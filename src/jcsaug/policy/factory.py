@@ -12,7 +12,20 @@ from jcsaug.policy.presets import series_probs, tea_probs
 def make_tra_policy(
     preset: str | Mapping[str, float | Sequence[float]] = "nnunet", num_groups: int = 2
 ) -> CategoricalPolicy:
-    """A TRA policy over the 15 series of SPEC §2, the same initial probabilities for every group."""
+    """A TRA policy over the 15 series of SPEC §2, the same initial probabilities for every group.
+
+    ``preset``: a name (:func:`~jcsaug.policy.list_tra_presets`) or a mapping series -> probability of applying
+    an op (or a full probability vector).
+
+    Example::
+
+        >>> policy = make_tra_policy("nnunet", num_groups=2)  # background- and foreground-centred patches
+        >>> policy.num_series, policy.num_groups, tuple(policy.logits.shape)
+        (15, 2, (2, 62))
+        >>> gamma = policy.series_names.index("gamma")
+        >>> [round(float(p), 3) for p in policy.probabilities()[gamma][1]]  # identity 1 - q, q = 0.3 shared
+        [0.7, 0.1, 0.1, 0.1]
+    """
     return CategoricalPolicy(
         [s.size for s in TRA_SERIES],
         num_groups=num_groups,

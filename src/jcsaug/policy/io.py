@@ -42,7 +42,18 @@ def _logits_of(ops: list[dict], expected_names: list[str], where: str) -> list[f
 
 
 def load_policies(path: str | Path) -> tuple[CategoricalPolicy | None, CategoricalPolicy | None]:
-    """Rebuild ``(tra, tea)`` from a ``policies.json`` (either may be ``None`` if absent)."""
+    """Rebuild ``(tra, tea)`` from a ``policies.json`` (either may be ``None`` if absent).
+
+    Example::
+
+        >>> import tempfile
+        >>> from jcsaug.policy import make_tea_policy, make_tra_policy
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> path = save_policies(folder / "policies.json", make_tra_policy("deepmedic"), make_tea_policy())
+        >>> tra, tea = load_policies(path)
+        >>> tra.num_groups, tra.num_series, tea.series_sizes
+        (2, 15, (84,))
+    """
     path = Path(path)
     try:
         data = json.loads(path.read_text())

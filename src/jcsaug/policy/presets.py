@@ -88,17 +88,9 @@ for _name, _builder in (
     TRA_PRESETS.register(_name, _builder)
 
 
-def register_tra_preset(name: str, builder: PresetBuilder, overwrite: bool = False) -> PresetBuilder:
-    """Make ``builder(series) -> [probabilities per series]`` available as a TRA preset name."""
-    return TRA_PRESETS.register(name, builder, overwrite=overwrite)
-
-
-def get_tra_preset(name: str) -> PresetBuilder:
-    return TRA_PRESETS.get(name)
-
-
-def list_tra_presets() -> list[str]:
-    return TRA_PRESETS.names()
+#: ``register_tra_preset(name, builder)`` with ``builder(series) -> [probabilities per series]``,
+#: ``get_tra_preset(name)``, ``list_tra_presets()``
+register_tra_preset, get_tra_preset, list_tra_presets = TRA_PRESETS.register, TRA_PRESETS.get, TRA_PRESETS.names
 
 
 def series_probs(preset: str | Mapping[str, float | Sequence[float]], series: Sequence[Series]) -> list[np.ndarray]:
@@ -155,17 +147,9 @@ TEA_PRESETS.register("nnunet", _tea_nnunet)
 TEA_PRESETS.register("uniform", lambda num_ops: np.full(num_ops, 1.0 / num_ops))
 
 
-def register_tea_preset(name: str, builder: Callable[[int], np.ndarray], overwrite: bool = False):
-    """Make ``builder(num_ops) -> probabilities`` available as a TEA preset name."""
-    return TEA_PRESETS.register(name, builder, overwrite=overwrite)
-
-
-def get_tea_preset(name: str) -> Callable[[int], np.ndarray]:
-    return TEA_PRESETS.get(name)
-
-
-def list_tea_presets() -> list[str]:
-    return TEA_PRESETS.names()
+#: ``register_tea_preset(name, builder)`` with ``builder(num_ops) -> probabilities``, ``get_tea_preset(name)``,
+#: ``list_tea_presets()``
+register_tea_preset, get_tea_preset, list_tea_presets = TEA_PRESETS.register, TEA_PRESETS.get, TEA_PRESETS.names
 
 
 def tea_probs(preset: str | Sequence[float] = "nnunet", num_ops: int = 84) -> np.ndarray:

@@ -48,6 +48,16 @@ class ClassGroupd(MapTransform):
             (foreground), as in the paper. Give e.g. ``{0: 0, 1: 1, 2: 2}`` for one group per class.
         group_key: where the group is stored (an int; collates into a ``[B]`` tensor).
         num_groups: optional check that every mapped group is below it.
+
+    Example::
+
+        >>> import torch
+        >>> label = torch.zeros(1, 5, 5, 5)
+        >>> label[0, 2, 2, 2] = 2  # the centre voxel is class 2
+        >>> ClassGroupd("label")({"label": label})["class_group"]  # background / foreground
+        1
+        >>> ClassGroupd("label", mapping={0: 0, 1: 1, 2: 2})({"label": label})["class_group"]  # one group per class
+        2
     """
 
     def __init__(
@@ -124,6 +134,17 @@ class LearnableOneOfd(Randomizable, Transform):
 
     Like MONAI's ``OneOf`` it takes no ``keys`` of its own: the wrapped dictionary transforms carry
     their ``keys`` / ``allow_missing_keys``.
+
+    Example: any MONAI transform as a learnable series (here it is nearly always chosen)::
+
+        >>> import torch
+        >>> from monai.transforms import Flipd
+        >>> policy = CategoricalPolicy([2])  # identity or flip
+        >>> policy.set_probabilities([[0.0, 1.0]])
+        >>> chooser = LearnableOneOfd([Flipd("image", spatial_axis=0)], policy, group_key=None).set_random_state(0)
+        >>> out = chooser({"image": torch.arange(3.0).reshape(1, 3, 1, 1)})
+        >>> out["image"].flatten().tolist(), out["learnable_ops"].tolist()  # flipped; choice 1 recorded
+        ([2.0, 1.0, 0.0], [1])
     """
 
     def __init__(

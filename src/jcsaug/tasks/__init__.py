@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jcsaug.tasks.prepare import DATALIST_NAME, prepare_case, prepare_task
 from jcsaug.tasks.registry import TASKS, get_task, list_tasks, register_task
-from jcsaug.tasks.settings import load_split, paper_setting
+from jcsaug.tasks.settings import bundle_task, load_split, paper_setting
 from jcsaug.tasks.spec import PrepareError, RawCase, TaskSpec
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "RawCase",
     "TASKS",
     "TaskSpec",
+    "bundle_task",
     "get_task",
     "list_tasks",
     "load_split",

@@ -81,18 +81,9 @@ CARDIAC_PATCHES = {"unet3d": (128, 128, 8), "transformer": (128, 128, 16)}
 TASKS: Registry[TaskSpec] = Registry("task")
 
 
-def register_task(spec: TaskSpec, overwrite: bool = False) -> TaskSpec:
-    """Make a dataset task available by name (``jcsaug prepare``, the bundles' ``task``)."""
-    return TASKS.register(spec.name, spec, overwrite=overwrite)
-
-
-def get_task(name: str) -> TaskSpec:
-    """The task called ``name``; unknown names raise ``KeyError`` listing the valid ones."""
-    return TASKS.get(name)
-
-
-def list_tasks() -> list[str]:
-    return TASKS.names()
+#: ``register_task(spec)`` makes a dataset task available by name (``jcsaug prepare``, the bundles' ``task``);
+#: ``get_task(name)`` and ``list_tasks()`` look them up
+register_task, get_task, list_tasks = TASKS.register, TASKS.get, TASKS.names
 
 
 for _spec in (

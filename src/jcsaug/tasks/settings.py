@@ -12,7 +12,10 @@ from monai.data import load_decathlon_datalist
 
 from jcsaug.tasks.prepare import DATALIST_NAME
 
-__all__ = ["load_split", "paper_setting", "read_datalist"]
+__all__ = ["bundle_task", "load_split", "paper_setting", "read_datalist"]
+
+#: the key of a dataset bundle's ``configs/metadata.json`` that names its task
+BUNDLE_TASK_KEY = "jcsaug_task"
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,20 @@ def paper_setting(
         )  # fmt: skip
     val_loss, beta = row[key]
     return str(val_loss), float(beta)
+
+
+def bundle_task(metadata: Mapping) -> str:
+    """The task a dataset bundle runs: ``metadata.json``'s ``"jcsaug_task"`` (MONAI reads the bundle's
+    ``configs/metadata.json`` next to its ``train.yaml`` unless ``--meta_file`` says otherwise)."""
+    from jcsaug.tasks.registry import list_tasks
+
+    task = metadata.get(BUNDLE_TASK_KEY) if isinstance(metadata, Mapping) else None
+    if not task:
+        raise ValueError(
+            f"no task: the bundle's metadata.json has no {BUNDLE_TASK_KEY!r} (pass --meta_file "
+            f"bundles/<task>/configs/metadata.json, or --task with one of {', '.join(list_tasks())})"
+        )
+    return str(task)
 
 
 def read_datalist(dataset_dir: str | Path, task: str | None = None) -> dict:

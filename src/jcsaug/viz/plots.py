@@ -196,10 +196,28 @@ def _draw_tea(ax: Any, tea: CategoricalPolicy, top_k: int) -> None:
         ax.spines[side].set_visible(False)
 
 
-def policy_figsize(num_groups: int, has_tea: bool) -> tuple[float, float]:
+def _draw_changes(ax: Any, changes: list, title: str, top_k: int) -> None:
+    """Horizontal bars of the ``top_k`` largest probability changes (green up, red down)."""
+    shown = changes[: max(1, int(top_k))]
+    y = np.arange(len(shown))[::-1]
+    deltas = np.array([c.delta for c in shown])
+    ax.barh(y, deltas, height=0.7, color=["#3a8f4b" if d >= 0 else "#b8433a" for d in deltas])
+    ax.axvline(0.0, color="0.3", linewidth=0.8)
+    ax.set_yticks(y)
+    ax.set_yticklabels([f"{c.label} {c.start:.3f}→{c.end:.3f}" for c in shown], fontsize=6)
+    reach = float(np.abs(deltas).max()) if len(deltas) else 0.0
+    ax.set_xlim(-1.15 * reach - 1e-9, 1.15 * reach + 1e-9)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_xlabel("change of probability from the start", fontsize=7)
+    ax.set_title(title, fontsize=9)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def policy_figsize(num_groups: int, has_tea: bool, with_changes: bool = False) -> tuple[float, float]:
     """Default size (inches) of :func:`plot_policy`'s figure."""
     width = 1.6 + 3.6 * num_groups + (4.0 if has_tea else 0.0)
-    return (max(width, 5.0), 5.2)
+    return (max(width, 5.0), 9.6 if with_changes else 5.2)
 
 
 def plot_policy(
@@ -207,33 +225,53 @@ def plot_policy(
     out_png: str | Path,
     top_k: int = 12,
     *,
+    initial: str | Path | Sequence[Any] | None = None,
     figsize: tuple[float, float] | None = None,
     dpi: int = 120,
 ) -> Path:
-    """Plot learned policies: one stacked-bar panel per TRA class group, and the TEA policy's top-k ops.
+    """Plot learned policies: one stacked-bar panel per TRA class group, and the TEA policy's top-k ops; with
+    ``initial``, a second row with the ops whose probabilities changed most from it.
 
     Args:
         policies: a ``policies.json`` path, or a ``(tra, tea)`` pair of :class:`CategoricalPolicy`
             (either may be ``None``).
         out_png: the PNG to write.
-        top_k: number of TEA ops shown (most probable first).
+        top_k: number of TEA ops shown (most probable first), and of changed ops per panel.
+        initial: the policies at the start (same forms as ``policies``): adds the change panels.
         figsize, dpi: figure size in inches (default :func:`policy_figsize`) and resolution.
 
     In a TRA panel each series is one bar split into its ops' probabilities, shaded from the identity
     (lightest) to the largest magnitude (darkest); labels: ``id`` identity, ``1``-``5`` magnitude level,
     ``90°`` quarter turn, ``flip`` mirror, ``b``/``s`` blur/sharpen level; probabilities >= 0.2 printed.
     """
+    from jcsaug.policy.changes import policy_changes  # noqa: PLC0415
+
     tra, tea = _resolve_policies(policies)
+    no_start = initial is None or (isinstance(initial, (list, tuple)) and all(p is None for p in initial))
+    start_tra, start_tea = (None, None) if no_start else _resolve_policies(initial)
+    start_tra = start_tra if tra is not None and start_tra is not None else None
+    start_tea = start_tea if tea is not None and start_tea is not None else None
+    with_changes = start_tra is not None or start_tea is not None
     groups = tra.num_groups if tra is not None else 0
-    fig = _new_figure(figsize or policy_figsize(groups, tea is not None), dpi)
+    fig = _new_figure(figsize or policy_figsize(groups, tea is not None, with_changes), dpi)
     ratios = [1.0] * groups + ([1.15] if tea is not None else [])
-    axes = np.atleast_1d(fig.subplots(1, len(ratios), width_ratios=ratios))
+    rows = 2 if with_changes else 1
+    axes = np.asarray(fig.subplots(rows, len(ratios), width_ratios=ratios, squeeze=False))
     if tra is not None:
         probs = [p.numpy() for p in tra.probabilities()]
         for g in range(groups):
-            _draw_tra_group(axes[g], tra, probs, g, show_names=g == 0)
+            _draw_tra_group(axes[0, g], tra, probs, g, show_names=g == 0)
+            if start_tra is not None:
+                title = f"TRA group {g}: most changed" if groups > 1 else "TRA: most changed"
+                _draw_changes(axes[1, g], policy_changes(tra, start_tra, g), title, top_k)
+            elif with_changes:
+                axes[1, g].set_visible(False)
     if tea is not None:
-        _draw_tea(axes[-1], tea, top_k)
+        _draw_tea(axes[0, -1], tea, top_k)
+        if start_tea is not None:
+            _draw_changes(axes[1, -1], policy_changes(tea, start_tea), "TEA: most changed", top_k)
+        elif with_changes:
+            axes[1, -1].set_visible(False)
     if tra is not None:
         fig.supxlabel(
             "TRA bars: id identity, 1-5 magnitude level (darker = larger), 90° quarter turn, flip mirror, "
@@ -493,7 +531,13 @@ def build_policy_plot_parser(p: argparse.ArgumentParser) -> None:
         metavar="JSONL",
         help="also plot this policy_history.jsonl, to <output stem>_history.png",
     )
-    p.add_argument("--top-k", type=int, default=12, help="TEA ops shown (default 12)")
+    p.add_argument(
+        "--initial",
+        metavar="JSON",
+        help="the policies at the start (a policies.json, e.g. from `jcsaug policy show --preset nnunet --json`): "
+        "adds the ops whose probabilities changed most",
+    )
+    p.add_argument("--top-k", type=int, default=12, help="TEA ops (and changed ops) shown (default 12)")
     p.add_argument("--history-top-k", type=int, default=8, help="ops per history panel (default 8)")
     p.add_argument("--dpi", type=int, default=120)
 
@@ -505,7 +549,7 @@ def run_policy_plot(args: argparse.Namespace) -> int:
         _matplotlib()
         if args.history:
             read_policy_history(args.history)  # check the inputs before drawing anything
-        written = [plot_policy(args.path, out, top_k=args.top_k, dpi=args.dpi)]
+        written = [plot_policy(args.path, out, top_k=args.top_k, initial=args.initial, dpi=args.dpi)]
         if args.history:
             hist_out = out.with_name(f"{out.stem}_history.png")
             written.append(plot_policy_history(args.history, hist_out, top_k=args.history_top_k, dpi=args.dpi))

@@ -1,0 +1,113 @@
+"""What a user sees at the end of a bundle run: a short summary after the evaluation."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from jcsaug.policy.categorical import CategoricalPolicy
+from jcsaug.policy.changes import OpChange, policy_changes
+
+logger = logging.getLogger("jcsaug.engine")
+
+__all__ = ["RunSummary"]
+
+
+def _format_change(change: OpChange) -> str:
+    return f"{change.label} {change.start:.3f}->{change.end:.3f} ({change.delta:+.1e})"
+
+
+class RunSummary:
+    """The end of a run in a few lines: test Dice per test-time method, the ops whose probabilities changed most
+    from their start (per TRA class group, and TEA), policy updates done and skipped, and where the files are.
+
+    Args:
+        output_dir: the run's folder (the files listed are those that exist there).
+        tra_policy, tea_policy: the learned policies (``None``: not reported).
+        start: the same policies as they were before learning, a ``(tra, tea)`` pair (e.g.
+            ``AugmentationSetup.initial_policies``).
+        updaters: the policy updaters (with ``name``, ``updates``, ``skipped``, ``skip_reasons``).
+        metrics_name: the metrics file of this run (``metrics.json``; ``metrics_evaluate.json`` for evaluate.yaml).
+        top_k: changed ops listed per policy.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        tra_policy: CategoricalPolicy | None = None,
+        tea_policy: CategoricalPolicy | None = None,
+        start: Sequence[CategoricalPolicy | None] = (None, None),
+        updaters: Sequence = (),
+        metrics_name: str = "metrics.json",
+        top_k: int = 3,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.tra_policy, self.tea_policy = tra_policy, tea_policy
+        self.start_tra, self.start_tea = start
+        self.updaters = list(updaters)
+        self.metrics_name = metrics_name
+        self.top_k = int(top_k)
+
+    def lines(self, metrics: Mapping | None = None) -> list[str]:
+        """The summary, one string per line."""
+        out = [f"run summary ({self.output_dir})"]
+        methods = {k: v for k, v in (metrics or {}).items() if isinstance(v, Mapping) and "mean_dice" in v}
+        if methods:
+            n = max(len(v.get("per_case", [])) for v in methods.values())
+            baseline = methods.get("none", {}).get("mean_dice")
+            dice = []
+            for name, values in methods.items():
+                text = f"{name} {_dice(values['mean_dice'])}"
+                if name != "none" and baseline is not None and _finite(values["mean_dice"], baseline):
+                    text += f" ({values['mean_dice'] - baseline:+.3f})"
+                dice.append(text)
+            out.append(f"  test Dice (mean of {n} cases; no TTA = none): " + ", ".join(dice))
+        if self.tra_policy is not None and self.start_tra is not None:
+            for g in range(self.tra_policy.num_groups):
+                changes = policy_changes(self.tra_policy, self.start_tra, g)[: self.top_k]
+                group = _group_name(g, self.tra_policy.num_groups)
+                out.append(f"  TRA{group}, most changed: " + ", ".join(_format_change(c) for c in changes))
+        if self.tea_policy is not None and self.start_tea is not None:
+            changes = policy_changes(self.tea_policy, self.start_tea)[: self.top_k]
+            out.append("  TEA, most changed: " + ", ".join(_format_change(c) for c in changes))
+        for u in self.updaters:
+            reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(u.skip_reasons.items()))
+            total = u.updates + u.skipped
+            share = f" ({100 * u.skipped / total:.0f} %)" if total else ""
+            out.append(
+                f"  {u.name} policy updates: {u.updates} done, {u.skipped} skipped{share}"
+                + (f" ({reasons})" if reasons else "")
+            )
+        files = [self.metrics_name, "policies.json", "policies.png", "policy_history.png"]
+        present = [str(self.output_dir / f) for f in files if (self.output_dir / f).is_file()]
+        if present:
+            out.append("  files: " + ", ".join(present))
+        return out
+
+    def report(self, metrics: Mapping | None = None) -> str:
+        """Log the summary at INFO (logger ``jcsaug.engine``) and return it; ``metrics`` default: the run's file."""
+        if metrics is None:
+            path = self.output_dir / self.metrics_name
+            metrics = json.loads(path.read_text()) if path.is_file() else None
+        text = "\n".join(self.lines(metrics))
+        logger.info("%s", text)
+        return text
+
+
+def _group_name(group: int, num_groups: int) -> str:
+    if num_groups == 1:
+        return ""
+    if num_groups == 2:
+        return f" group {group} ({'background' if group == 0 else 'foreground'})"
+    return f" group {group}"
+
+
+def _finite(*values: float | None) -> bool:
+    return all(v is not None and math.isfinite(v) for v in values)
+
+
+def _dice(value: float | None) -> str:
+    return f"{value:.3f}" if _finite(value) else "n/a"
