@@ -160,11 +160,12 @@ def _tea_intensity_ops():
 def test_one_table_of_intensity_kinds_serves_both_catalogues(op):
     """A TEA intensity op and the TRA cascade with the same value give the same image: one implementation."""
     from jcsaug.ops.intensity import INTENSITY_KINDS
-    from jcsaug.ops.tea import NOISE_SEED_BASE
-    from jcsaug.ops.tra import INTENSITY_ORDER, TRA_SERIES, TRAParams, apply_intensity
+    from jcsaug.ops.tea import NOISE_SEED_BASE, apply_tea_ops
+    from jcsaug.ops.tra import INTENSITY_FIELDS, TRA_SERIES, TRAParams, apply_tra_batch
 
     assert {o.kind for s in TRA_SERIES for o in s.ops if o.kind in INTENSITY_KINDS} == set(INTENSITY_KINDS)
-    field = dict(INTENSITY_ORDER)[op.kind]
-    params = TRAParams(**{field: op.value}, noise_seed=NOISE_SEED_BASE + op.id)
-    image = torch.rand(1, 12, 12, 12)
-    torch.testing.assert_close(apply_intensity(image, params), op.transform_image(image), rtol=0, atol=0)
+    assert set(INTENSITY_FIELDS) == set(INTENSITY_KINDS)
+    params = TRAParams(**{INTENSITY_FIELDS[op.kind]: op.value}, noise_seed=NOISE_SEED_BASE + op.id)
+    image = torch.rand(1, 1, 12, 12, 12)
+    tra = apply_tra_batch({"image": image}, {}, [params])[0]["image"]
+    torch.testing.assert_close(tra, apply_tea_ops([op], image)[0][None], rtol=0, atol=0)

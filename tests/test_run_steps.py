@@ -26,6 +26,7 @@ from jcsaug.engine import (
     list_tra_modes,
 )
 from jcsaug.policy import make_tea_policy, make_tra_policy, policy_changes
+from jcsaug.policy.io import save_policies
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -36,10 +37,11 @@ def _updaters(setup: AugmentationSetup, net: torch.nn.Module) -> PolicyUpdaters:
 
 
 @pytest.mark.parametrize("tra_mode", list_tra_modes())
-def test_every_tra_mode_builds_its_policy_and_updater(tra_mode):
+def test_every_tra_mode_builds_its_policy_and_updater(tra_mode, tmp_path):
     mode = get_tra_mode(tra_mode)
-    setup = AugmentationSetup(tra_mode, "none")
-    assert setup.tra_policy.num_groups == (2 if mode.class_specific else 1)
+    learned = save_policies(tmp_path / "policies.json", make_tra_policy("uniform", num_groups=3))  # for `fixed`
+    setup = AugmentationSetup(tra_mode, "none", tra_policy_file=learned)
+    assert setup.tra_policy.num_groups == (3 if mode.from_file else 2 if mode.class_specific else 1)
     updaters = _updaters(setup, tiny_unet())
     assert (updaters.tra is not None) == mode.learned == setup.learn_tra
     assert list(updaters.checkpoint_items()) == ["tra_updater" if mode.learned else "tra_policy", "tea_policy"]
