@@ -186,3 +186,37 @@ def test_out_dir_is_a_file(tmp_path: Path) -> None:
 def test_unknown_domain() -> None:
     with pytest.raises(ValueError, match="'other'"):
         synthesize_case(np.random.default_rng(0), SHAPE, "other")
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b"\xff\xfe\x00", b"[1, 2]"])
+def test_unreadable_datalist_is_an_error_and_nothing_is_regenerated(tmp_path: Path, content: bytes) -> None:
+    """Issue 12 item 1: `: > D/dataset.json` must not regenerate the dataset over the files in D."""
+    make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False)
+    (tmp_path / "dataset.json").write_bytes(content)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=rf"cannot read the datalist {tmp_path / 'dataset.json'} \("):
+        make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # the folder is jcsaug's (marker): an explicit overwrite regenerates it
+    path = make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, overwrite=True,
+                                  progress=False)  # fmt: skip
+    assert json.loads(path.read_text())["num_training"] == 1
+
+
+def test_only_empty_or_jcsaug_folders_are_written(tmp_path: Path) -> None:
+    user = tmp_path / "user"
+    (user / "imagesTr").mkdir(parents=True)
+    mine = user / "imagesTr" / "case_000.nii.gz"
+    mine.write_bytes(b"a user's own volume")
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=rf"{user} is not empty and was not made by make_synthetic_dataset"):
+            make_synthetic_dataset(user, num_train=1, num_val=1, num_test=1, shape=SHAPE, overwrite=overwrite,
+                                   progress=False)  # fmt: skip
+    assert mine.read_bytes() == b"a user's own volume" and sorted(user.rglob("*")) == [user / "imagesTr", mine]
+    (user / "dataset.json").write_text("")  # unreadable, no marker: even overwrite=True refuses
+    with pytest.raises(ValueError, match="cannot read the datalist"):
+        make_synthetic_dataset(user, num_train=1, num_val=1, num_test=1, shape=SHAPE, overwrite=True, progress=False)
+    assert mine.read_bytes() == b"a user's own volume"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert make_synthetic_dataset(empty, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False).is_file()

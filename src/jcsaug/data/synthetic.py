@@ -31,6 +31,7 @@ Layout written under ``out_dir`` (file names are unique across splits, numbered 
     imagesVa/case_016.nii.gz ...   labelsVa/case_016.nii.gz ...   validation (target domain)
     imagesTs/case_020.nii.gz ...   labelsTs/case_020.nii.gz ...   test       (target domain)
     dataset.json                   MONAI datalist: "training", "validation", "test" + metadata
+    .jcsaug-synthetic              written first: the folder is jcsaug's (only such or empty folders are written)
 
 Images and labels carry a 1 mm diagonal RAS affine. Case ``i`` of a split is drawn from its own seed
 (``SeedSequence(seed, spawn_key=(split, i))``), so it does not change when other counts change.
@@ -305,13 +306,33 @@ def _write_nifti(path: Path, array: np.ndarray) -> None:
     atomic_write_bytes(path, gzip.compress(img.to_bytes(), compresslevel=6, mtime=0))
 
 
-def _existing_matches(json_path: Path, expected: dict) -> bool | None:
-    """``None`` if the datalist is unreadable, else whether its metadata matches ``expected``."""
+MARKER = ".jcsaug-synthetic"
+"""File written first into a folder that :func:`make_synthetic_dataset` fills: the folder is jcsaug's own."""
+
+_REFERENCE = "jcsaug.data.synthetic.make_synthetic_dataset"
+
+
+def _read_datalist(json_path: Path) -> dict:
+    """The existing ``dataset.json``, or a ``ValueError`` naming it when it cannot be read as a JSON object."""
     try:
         meta = json.loads(json_path.read_text())
-    except (OSError, ValueError):
-        return None
-    return all(meta.get(k) == v for k, v in expected.items())
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        reason = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    else:
+        if isinstance(meta, dict):
+            return meta
+        reason = f"it holds a JSON {type(meta).__name__}, not an object"
+    raise ValueError(
+        f"cannot read the datalist {json_path} ({reason}); the synthetic dataset is not regenerated over the "
+        f"files in {json_path.parent}: repair or delete that file (or pass overwrite=True if jcsaug made the folder)"
+    )
+
+
+def _made_by_jcsaug(out: Path, json_path: Path) -> bool:
+    """Whether ``out`` is empty or was filled by :func:`make_synthetic_dataset` (its marker or its datalist)."""
+    if not out.exists() or not any(out.iterdir()) or (out / MARKER).is_file():
+        return True
+    return json_path.is_file() and _read_datalist(json_path).get("reference") == _REFERENCE
 
 
 def make_synthetic_dataset(
@@ -333,7 +354,7 @@ def make_synthetic_dataset(
         shape: spatial shape of every volume, three sizes >= 16.
         seed: non-negative integer; the same seed gives identical arrays.
         overwrite: regenerate even if ``out_dir/dataset.json`` exists (stale ``case_*.nii.gz`` of the
-            six split folders are removed first).
+            six split folders are removed first). Only in a folder jcsaug made.
         progress: show a tqdm progress bar.
         target_shift: the validation/test domain, a name of :data:`TARGET_SHIFTS` (``"default"`` is the one
             in the module docstring). ``dataset.json``'s ``domain_shift`` describes it and names the TRA and TEA
@@ -343,6 +364,11 @@ def make_synthetic_dataset(
         The path of ``dataset.json``. If it already exists and ``overwrite`` is False it is returned
         as is (a warning is issued if it was made with other arguments). It is written last and
         atomically, so an interrupted generation never looks finished.
+
+    Raises:
+        ValueError: ``dataset.json`` exists but cannot be read (it is never regenerated over), or ``out_dir``
+            holds other files and was not made by this function (its :data:`MARKER` file, written first, or
+            its ``dataset.json``): files of a user are never overwritten.
     """
     counts = {
         "training": _check_count("num_train", num_train),
@@ -364,17 +390,22 @@ def make_synthetic_dataset(
         expected["target_shift"] = target_shift
 
     if json_path.is_file() and not overwrite:
-        matches = _existing_matches(json_path, expected)
-        if matches is not None:
-            if not matches:
-                warnings.warn(
-                    f"{json_path} exists but was not made with {expected}; returning it unchanged "
-                    "(pass overwrite=True to regenerate)",
-                    stacklevel=2,
-                )
-            return json_path
+        if not all(_read_datalist(json_path).get(k) == v for k, v in expected.items()):
+            warnings.warn(
+                f"{json_path} exists but was not made with {expected}; returning it unchanged "
+                "(pass overwrite=True to regenerate)",
+                stacklevel=2,
+            )
+        return json_path
+    if not _made_by_jcsaug(out, json_path):
+        raise ValueError(
+            f"{out} is not empty and was not made by make_synthetic_dataset (no {MARKER} file, no jcsaug "
+            "dataset.json): the synthetic dataset is only written into an empty folder or one jcsaug made; "
+            "choose another folder"
+        )
 
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text(json.dumps({"reference": _REFERENCE, **expected}) + "\n")
     json_path.unlink(missing_ok=True)
     for img_dir, lbl_dir, _ in SPLITS.values():
         for sub in (img_dir, lbl_dir):
