@@ -5,10 +5,13 @@ from jcsaug.engine.checkpoints import (
     SafeCheckpointLoader,
     latest_checkpoint,
     load_checkpoint,
+    nonfinite_entries,
+    read_checkpoint,
     save_checkpoint_atomic,
 )
 from jcsaug.engine.device_augmentation import AUGMENT_ON, DeviceAugmentation, resolve_augment_on
 from jcsaug.engine.distributed import rank_device, release_ddp, shutdown_distributed
+from jcsaug.engine.divergence import StopOnNonFiniteLoss, TrainingDiverged
 from jcsaug.engine.export import PolicyExporter
 from jcsaug.engine.hypergradient import (
     HYPERGRADIENTS,
@@ -64,6 +67,10 @@ __all__ = [
     "SafeCheckpointLoader",
     "load_checkpoint",
     "save_checkpoint_atomic",
+    "nonfinite_entries",
+    "read_checkpoint",
+    "StopOnNonFiniteLoss",
+    "TrainingDiverged",
     "LOSSES",
     "TEA_MODES",
     "TRA_MODES",

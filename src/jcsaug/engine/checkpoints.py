@@ -7,7 +7,8 @@
 * :func:`save_checkpoint_atomic` / :class:`AtomicCheckpointSaver` write through a temporary file in the
   same folder + ``fsync`` + ``os.replace``: a crash mid-write never leaves a half-written file under the
   checkpoint's name. (MONAI's ``CheckpointSaver`` builds its ignite ``DiskSaver`` with ``atomic=False``,
-  so it writes the final file in place.)
+  so it writes the final file in place.) Neither writes a state holding NaN/Inf (a diverged run): the
+  previous, finite files stay (:func:`nonfinite_entries`).
 """
 
 from __future__ import annotations
@@ -217,6 +218,40 @@ class SafeCheckpointLoader:
 # ------------------------------------------------------------------------------------------------ saving
 
 
+def nonfinite_entries(objects: Mapping[str, Any], limit: int = 5) -> list[str]:
+    """Names (``"network.conv.weight"``) of up to ``limit`` floating-point tensors holding NaN/Inf in the states of
+    ``objects`` (name -> object with ``state_dict``, or a plain value), nested dicts and lists included."""
+    found: list[str] = []
+
+    def visit(name: str, value: Any) -> None:
+        if len(found) >= limit:
+            return
+        if isinstance(value, torch.Tensor):
+            if (value.is_floating_point() or value.is_complex()) and not bool(torch.isfinite(value).all()):
+                found.append(name)
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                visit(f"{name}.{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                visit(f"{name}.{i}", v)
+
+    for key, obj in objects.items():
+        visit(str(key), obj.state_dict() if hasattr(obj, "state_dict") else obj)
+    return found
+
+
+def _refuse_nonfinite(path: str | Path, objects: Mapping[str, Any]) -> None:
+    bad = nonfinite_entries(objects)
+    if bad:
+        from jcsaug.engine.divergence import TrainingDiverged
+
+        raise TrainingDiverged(
+            f"not saving {path}: the state holds NaN/Inf values ({', '.join(bad)}): the run diverged; the previous "
+            "file is kept"
+        )
+
+
 def save_state_atomic(path: str | Path, state: Any) -> Path:
     """``torch.save(state, path)`` through :func:`jcsaug.utils.atomic_write` (temporary file in the same folder,
     ``fsync``, ``os.replace``): the file under ``path`` is either the previous one or the complete new one."""
@@ -228,15 +263,24 @@ def save_state_atomic(path: str | Path, state: Any) -> Path:
     return atomic_write(path, write)
 
 
-def save_checkpoint_atomic(path: str | Path, objects: Mapping[str, Any]) -> Path:
-    """Save ``{name: obj.state_dict()}`` (plain values as they are) atomically, see :func:`save_state_atomic`."""
+def save_checkpoint_atomic(path: str | Path, objects: Mapping[str, Any], check_finite: bool = True) -> Path:
+    """Save ``{name: obj.state_dict()}`` (plain values as they are) atomically, see :func:`save_state_atomic`.
+
+    With ``check_finite`` a state holding NaN/Inf is refused (``TrainingDiverged``) and the file is not touched.
+    """
+    if check_finite:
+        _refuse_nonfinite(path, objects)
     state = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in objects.items()}
     return save_state_atomic(path, state)
 
 
 class AtomicCheckpointSaver(CheckpointSaver):
     """MONAI's ``CheckpointSaver`` (same arguments) whose files are written atomically by
-    :func:`save_state_atomic` (MONAI's own uses ``DiskSaver(atomic=False)`` and writes in place)."""
+    :func:`save_state_atomic` (MONAI's own uses ``DiskSaver(atomic=False)`` and writes in place), and never
+    from a non-finite state: ignite removes the oldest of ``n_saved`` files *before* writing the new one, so the
+    check comes first. A non-finite state at an epoch end or at the end of training raises ``TrainingDiverged``
+    (the run fails, the previous files stay); after an exception the final checkpoint is skipped with an error log.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -247,6 +291,28 @@ class AtomicCheckpointSaver(CheckpointSaver):
             if not hasattr(handler, "_save_func"):
                 raise TypeError(f"unexpected ignite save handler {type(handler).__name__}: cannot make it atomic")
             handler._save_func = _atomic_save_func
+
+    def completed(self, engine: Any) -> None:
+        _refuse_nonfinite(f"the final checkpoint in {self.save_dir}", self.save_dict)
+        super().completed(engine)
+
+    def interval_completed(self, engine: Any) -> None:
+        _refuse_nonfinite(f"the checkpoint of epoch {engine.state.epoch} in {self.save_dir}", self.save_dict)
+        super().interval_completed(engine)
+
+    def metrics_completed(self, engine: Any) -> None:
+        _refuse_nonfinite(f"the key-metric checkpoint in {self.save_dir}", self.save_dict)
+        super().metrics_completed(engine)
+
+    def exception_raised(self, engine: Any, e: Exception) -> None:
+        bad = nonfinite_entries(self.save_dict)
+        if bad:
+            logging.getLogger(__name__).error(
+                "not saving a final checkpoint after %s: the state holds NaN/Inf values (%s)", type(e).__name__,
+                ", ".join(bad),
+            )  # fmt: skip
+            raise e
+        super().exception_raised(engine, e)
 
 
 def _atomic_save_func(checkpoint: Mapping, path: Path, func: Any = None) -> None:
