@@ -215,3 +215,29 @@ def test_atomic_checkpoint_saver_is_a_drop_in(tmp_path, monkeypatch):
     fresh = _objects(1)
     load_checkpoint(latest_checkpoint(tmp_path), fresh)
     assert torch.equal(fresh["tra_policy"].logits, trained["tra_policy"].logits)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("echo this must never run",))
+
+
+class _Custom:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("payload", "refused"),
+    [
+        (_Payload(), r"Trying to load unsupported GLOBAL (posix|nt)\.system whose module (posix|nt) is blocked"),
+        (_Custom(), r"Unsupported global: GLOBAL test_checkpoints\._Custom was not an allowed global by default"),
+    ],
+)
+def test_refusal_names_the_global_without_unsafe_advice(tmp_path, payload, refused):
+    """Issue 12 item 11: torch's reason (the refused global) is kept; its weights_only=False advice is not."""
+    path = tmp_path / "foreign.pt"
+    torch.save({"network": payload}, path)
+    expected = rf"cannot read checkpoint {path}: not a weights-only torch checkpoint \(refused by the weights-only"
+    with pytest.raises(ValueError, match=rf"{expected} loader: {refused}\)$") as err:
+        load_checkpoint(path, {"network": torch.nn.Linear(2, 2)})
+    assert "weights_only" not in str(err.value).replace("weights-only", "") and "\n" not in str(err.value)

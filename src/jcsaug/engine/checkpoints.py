@@ -84,19 +84,37 @@ def latest_checkpoint(output_dir: str | Path, skip_unreadable: bool = False) -> 
 # ----------------------------------------------------------------------------------------------- loading
 
 
+_WEIGHTS_ONLY_REFUSAL = re.compile(
+    r"(Unsupported global: GLOBAL \S+ was not an allowed global by default"
+    r"|Trying to load unsupported GLOBAL [^\n]*"
+    r"|Unsupported operand [^\n]*)",
+    re.MULTILINE,
+)
+
+
+def _read_error_reason(err: BaseException) -> str:
+    """One line saying why ``torch.load`` failed. For a weights-only refusal that is the refused global; torch's
+    advice to re-run with ``weights_only=False`` (arbitrary code execution) is left out."""
+    text = str(err).strip()
+    if text.startswith("Weights only load failed"):
+        found = _WEIGHTS_ONLY_REFUSAL.search(text)
+        reason = found.group(1).rstrip(".") if found else "a pickled object that is not a tensor or plain value"
+        return f"not a weights-only torch checkpoint (refused by the weights-only loader: {reason})"
+    first = text.splitlines()[0] if text else ""
+    cause = f"{type(err).__name__}: {first}" if first else type(err).__name__
+    return f"truncated, corrupted or not a weights-only torch checkpoint ({cause})"
+
+
 def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
-    """``torch.load(path, weights_only=True)`` as a dict, or a ``ValueError`` naming the file."""
+    """``torch.load(path, weights_only=True)`` as a dict, or a ``ValueError`` naming the file and the reason
+    (for a file holding pickled code or objects: the global torch refused)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except _READ_ERRORS as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(
-            f"cannot read checkpoint {path}: truncated, corrupted or not a weights-only torch checkpoint "
-            f"({type(err).__name__}: {reason})"
-        ) from None
+        raise ValueError(f"cannot read checkpoint {path}: {_read_error_reason(err)}") from None
     if not isinstance(state, Mapping):
         raise ValueError(f"checkpoint {path} holds a {type(state).__name__}, expected a dict of states")
     return dict(state)

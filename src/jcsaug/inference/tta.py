@@ -149,10 +149,9 @@ def load_tea_policy(path: str | Path, missing_ok: bool = False) -> CategoricalPo
         if tea is None and not missing_ok:
             raise ValueError(f"{path} holds no TEA policy")
         return tea
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises many types for a bad file
-        raise ValueError(f"cannot read checkpoint {path}: {err}") from None
+    from jcsaug.engine.checkpoints import read_checkpoint  # weights-only; names the refused global, if any
+
+    state = read_checkpoint(path)
     for key in ("tea", "tea_updater", "tea_policy"):
         if key in state:
             entry = state[key]
