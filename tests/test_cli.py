@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+import torch
 
 from jcsaug.cli import main
 from jcsaug.policy import make_tea_policy, make_tra_policy
@@ -70,3 +72,68 @@ def test_make_synthetic(tmp_path, capsys):
     assert main(["make-synthetic", str(tmp_path / "d"), "--num-train", "1", "--num-val", "1", "--num-test", "1",
                  "--shape", "16", "16", "16"]) == 0  # fmt: skip
     assert (tmp_path / "d" / "dataset.json").exists()
+
+
+def _policy_file(tmp_path, edit) -> str:
+    path = save_policies(tmp_path / "policies.json", make_tra_policy("nnunet", 2), make_tea_policy())
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def _set_logit(value):
+    def edit(doc):
+        doc["tra"]["groups"][1]["series"][3]["ops"][1]["logit"] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda t: _policy_file(t, _set_logit(float("nan"))), r"policies\.json: NaN is not a number"),
+        (lambda t: _policy_file(t, _set_logit(float("-inf"))), r"policies\.json: -Infinity is not a number"),
+        (
+            lambda t: _policy_file(t, _set_logit(1e39)),
+            r"series 'rotate_longitudinal': op .*: logit 1e\+39 is not a fin",
+        ),
+        (lambda t: _policy_file(t, _set_logit("2")), r"series 'rotate_longitudinal': op .*: logit '2' is not a number"),
+        (lambda t: _policy_file(t, lambda d: d["tea"]["ops"].__setitem__(0, 7)), r"TEA policy: ops must be a list of"),
+        (lambda t: _policy_file(t, lambda d: d["tra"].pop("groups")), r"policies\.json: 'tra' has no 'groups' entry"),
+        (lambda t: _policy_file(t, lambda d: d.__setitem__("tea", [])), r"'tea' is a list, expected an object"),
+    ],
+)
+def test_policy_show_bad_files_are_one_line_errors(tmp_path, capsys, make, expected):
+    """Issue 12 item 10: NaN/Inf/overflowing logits and malformed entries: one line naming the file, exit 2."""
+    path = make(tmp_path)
+    for extra in ([], ["--json"]):
+        assert main(["policy", "show", path, *extra]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        err = captured.err.strip()
+        assert "\n" not in err and err.startswith(f"jcsaug policy show: {path}") and re.search(expected, err), err
+
+
+def test_policy_show_of_a_checkpoint_says_what_it_is(tmp_path, capsys):
+    path = tmp_path / "x.pt"
+    torch.save({"network": {"w": torch.zeros(3)}}, path)
+    assert main(["policy", "show", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"jcsaug policy show: cannot read policy file {path}: not a UTF-8 text file (a policies.json is " \
+        "JSON text; is it a checkpoint?)"  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--num-train", "0"], "num_train must be a positive integer, got 0"),
+        (["--shape", "8", "8", "8"], "shape must be a sequence of 3 integers >= 16"),
+        (["--seed", "-3"], "seed must be a non-negative integer, got -3"),
+    ],
+)
+def test_make_synthetic_bad_arguments_are_one_line_errors(tmp_path, capsys, args, expected):
+    assert main(["make-synthetic", str(tmp_path / "d"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jcsaug make-synthetic: error: ") and expected in err and "\n" not in err
+    assert not (tmp_path / "d").exists()

@@ -123,7 +123,7 @@ def _run_policy(args: argparse.Namespace) -> int:
         print(f"jcsaug policy show: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(data, indent=1))
+        print(json.dumps(data, indent=1, allow_nan=False))  # strict JSON (load_policies refuses NaN logits)
     else:
         _print_policies(data)
     return 0
@@ -208,12 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one sub-command; bad input (``ValueError``, ``OSError``, ``KeyError``) is one line on stderr, exit 2."""
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS.get(args.command)[1](args)
     except BrokenPipeError:  # e.g. `jcsaug ops --tea | head`
         sys.stderr.close()
         return 0
+    except (ValueError, OSError, KeyError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        print(f"jcsaug {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
