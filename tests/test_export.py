@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import types
 
@@ -11,6 +12,7 @@ import torch
 from ignite.engine import Engine
 
 from jcsaug.engine import PolicyExporter
+from jcsaug.engine.export import append_line
 from jcsaug.policy import make_tea_policy, make_tra_policy
 from jcsaug.policy.io import load_policies, policies_to_dict, save_policies
 
@@ -75,3 +77,26 @@ def test_policy_file_for_another_catalogue_is_refused(tmp_path):
     (tmp_path / "c.json").write_text("{}")
     with pytest.raises(ValueError, match="not a jcsaug policies file"):
         load_policies(tmp_path / "c.json")
+
+
+def test_history_lines_are_whole_after_a_torn_write_and_a_failed_write(tmp_path, monkeypatch):
+    """Issue 12 item 14: a torn last line (crash mid-write) is cut before the next record; a write that fails
+    part-way (disk full) is rolled back; the file only ever holds whole records."""
+    path = tmp_path / "policy_history.jsonl"
+    append_line(path, json.dumps({"epoch": 1}))
+    path.write_bytes(path.read_bytes() + b'{"epoch": 2, "probabil')  # interrupted mid-write
+    append_line(path, json.dumps({"epoch": 2}))
+    assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [1, 2]
+
+    real_write = os.write
+
+    def disk_full(fd, data):
+        real_write(fd, bytes(data[:5]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        append_line(path, json.dumps({"epoch": 3}))
+    monkeypatch.setattr(os, "write", real_write)
+    assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [1, 2]
+    assert path.read_text().endswith("\n")

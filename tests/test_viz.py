@@ -123,12 +123,21 @@ def test_history_of_one_group_policy_and_bad_history(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     _, panels = read_policy_history(path)
     assert panels == {"TRA": {"scale: identity": pytest.approx(np.array([0.6, 0.7]))}}
-    path.write_text("not json\n")
-    with pytest.raises(ValueError, match="not a policy history record"):
+    path.write_text("not json\n" + json.dumps(records[0]) + "\n")  # a bad line before the last: an error
+    with pytest.raises(ValueError, match=r"h\.jsonl:1: not a policy history record"):
         read_policy_history(path)
     path.write_text("")
     with pytest.raises(ValueError, match="no policy history"):
         plot_policy_history(path, tmp_path / "x.png")
+
+
+def test_history_with_a_truncated_last_line_is_read_with_a_warning(tmp_path, history_file):
+    """Issue 12 item 14: a run interrupted mid-write leaves a torn last line; the records before it are read."""
+    whole = history_file.read_text()
+    history_file.write_text(whole + whole.splitlines()[0][:-1000])
+    with pytest.warns(UserWarning, match=r"policy_history\.jsonl:5: skipped an incomplete last record"):
+        iterations, panels = read_policy_history(history_file)
+    assert iterations.tolist() == [10, 20, 30, 40] and len(panels["TEA"]) == len(TEA_OPS)
 
 
 # ----------------------------------------------------------------------------- gallery

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import ignite.distributed as idist
@@ -14,6 +15,47 @@ from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.io import save_policies
 
 logger = logging.getLogger("jcsaug.engine")
+
+
+def _cut_torn_tail(fd: int, size: int, path: Path, chunk: int = 1 << 16) -> int:
+    """Truncate a last line that lacks its newline (a write cut off by a crash); returns the new size."""
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    end = size
+    while end > 0:
+        start = max(0, end - chunk)
+        newline = os.pread(fd, end - start, start).rfind(b"\n")
+        if newline >= 0:
+            end = start + newline + 1
+            break
+        end = start
+    os.ftruncate(fd, end)
+    logger.warning("%s: dropped an incomplete last line (%d bytes, cut off by an interruption)", path, size - end)
+    return end
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append ``line`` + newline to ``path`` so that the file only ever holds whole lines.
+
+    An incomplete last line left by an earlier interruption is cut first; the line goes out in ``os.write`` calls on
+    an ``O_APPEND`` descriptor and is ``fsync``-ed; if writing fails (disk full, a signal) the file is truncated back
+    to its previous size. (Rewriting the whole file atomically each epoch would cost O(epochs²) writes.)
+    """
+    path = Path(path)
+    data = (line.rstrip("\n") + "\n").encode()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
+    try:
+        size = _cut_torn_tail(fd, os.fstat(fd).st_size, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 def _probability_scalars(prefix: str, policy: CategoricalPolicy) -> dict[str, float]:
@@ -29,7 +71,8 @@ def _probability_scalars(prefix: str, policy: CategoricalPolicy) -> dict[str, fl
 class PolicyExporter:
     """Write the policies of a run (rank 0 only).
 
-    * every epoch: one line of probabilities appended to ``output_dir/policy_history.jsonl``;
+    * every epoch: one line of probabilities appended to ``output_dir/policy_history.jsonl`` (whole lines only,
+      :func:`append_line`);
     * when ``tensorboard_dir`` is given and tensorboard is installed: a scalar per op probability after every
       policy update (every iteration that changed a policy);
     * at the end of training (and on every epoch, so a crash leaves a recent one): ``policies.json``,
@@ -99,8 +142,7 @@ class PolicyExporter:
     def _epoch(self, engine: Engine) -> None:
         scalars = self._scalars()
         record = {"epoch": engine.state.epoch, "iteration": engine.state.iteration, "probabilities": scalars}
-        with open(self.output_dir / "policy_history.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(self.output_dir / "policy_history.jsonl", json.dumps(record))
         if self._writer is not None:
             self._writer.flush()
         self.write_policies(engine)

@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -287,19 +288,22 @@ def read_policy_history(path: str | Path) -> tuple[np.ndarray, dict[str, dict[st
 
     Panels are ``"TRA group g"`` (``"TRA"`` for a one-group policy) and ``"TEA"``; lines are
     ``"series: op"`` (TRA) or the op name (TEA). A later record of an iteration already seen (a resumed
-    run) replaces the earlier one.
+    run) replaces the earlier one. A last line that is not a record (cut off by an interruption) is skipped with a
+    warning; a bad line before it is an error naming the file and the line.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no policy history {path}")
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
     by_iteration: dict[int, dict[str, float]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in lines:
         try:
             record = json.loads(line)
             by_iteration[int(record["iteration"])] = {str(k): float(v) for k, v in record["probabilities"].items()}
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
+            if n == lines[-1][0]:
+                warnings.warn(f"{path}:{n}: skipped an incomplete last record ({err})", stacklevel=2)
+                continue
             raise ValueError(f"{path}:{n}: not a policy history record ({err})") from None
     if not by_iteration:
         raise ValueError(f"{path} holds no policy history records")
