@@ -248,3 +248,40 @@ def test_worker_processes_give_the_same_dataset(tmp_path, prepared):
     for entry in parallel["training"]:
         a = np.asarray(nib.load(str(tmp_path / "parallel" / entry["image"])).dataobj)
         np.testing.assert_array_equal(a, np.asarray(nib.load(str(serial / entry["image"])).dataobj))
+
+
+def test_a_raw_file_changed_in_place_is_prepared_again(tmp_path):
+    """Issue 12 item 12: records match on size + mtime of the raw files, not on their paths only."""
+    raw = make_fake_raw("btcv_abdomen", tmp_path / "raw")
+    prepare_task("btcv_abdomen", raw, tmp_path / "data", progress=False)
+    key, image, _ = _first_labelled("btcv_abdomen", raw)
+    prepared = next((tmp_path / "data" / "images").glob(f"*{_needle('btcv_abdomen', key)}*"))
+    before = np.asarray(nib.load(str(prepared)).dataobj).copy()
+    data = np.asarray(nib.load(str(image)).dataobj)
+    _rewrite(image, (data + 100).astype(data.dtype))  # same path, same shape, new content
+    prepare_task("btcv_abdomen", raw, tmp_path / "data", progress=False)
+    assert not np.array_equal(before, np.asarray(nib.load(str(prepared)).dataobj))
+    record = json.loads(
+        (tmp_path / "data" / ".prepare" / "cases" / prepared.name.replace(".nii.gz", ".json")).read_text()
+    )
+    assert record["sources"]["image"] == {"path": str(image), "size": image.stat().st_size,
+                                          "mtime_ns": image.stat().st_mtime_ns}  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_failing_case_is_reported_and_the_others_are_prepared(tmp_path, workers):
+    """Issue 12 item 12: with or without workers, all failing cases are named at the end, not only the first."""
+    raw = make_fake_raw("btcv_abdomen", tmp_path / "raw")
+    files = raw_case_files("btcv_abdomen", raw)
+    broken = sorted(files)[:3]
+    for key in broken:
+        files[key][1].write_bytes(b"not a nifti")
+    message = _prepare_error("btcv_abdomen", raw, tmp_path / "data") if workers == 0 else None
+    if workers:
+        with pytest.raises(PrepareError) as err:
+            prepare_task("btcv_abdomen", raw, tmp_path / "data", num_workers=workers, progress=False)
+        message = str(err.value)
+    assert message.startswith(f"3 of {len(files)} cases failed")
+    for key in broken:
+        assert f"cannot read label {files[key][1]}" in message
+    assert len(list((tmp_path / "data" / ".prepare" / "cases").glob("*.json"))) == len(files) - 3

@@ -10,7 +10,9 @@ them) with the nnU-Net intensity statistics that :func:`jcsaug.data.intensity_no
 
 Every file is written through a temporary file and renamed, and a case counts as done only once its record
 (``.prepare/cases/<case>.json``) exists, so an interrupted run resumes where it stopped and a re-run skips
-finished cases.
+finished cases. A record holds the size and modification time of its raw image and label files: a case whose raw
+files changed (in place or by a copy) is prepared again. A failing case does not stop the others: every failing case
+is reported at the end, in one error.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from jcsaug.tasks.registry import get_task
 from jcsaug.tasks.spec import PrepareError, RawCase, TaskSpec
 from jcsaug.utils import atomic_write, atomic_write_text
 
-__all__ = ["DATALIST_NAME", "prepare_case", "prepare_task"]
+__all__ = ["DATALIST_NAME", "prepare_case", "prepare_task", "source_stamp"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +113,24 @@ def _paths(out_dir: Path, case_id: str) -> tuple[Path, Path, Path, Path]:
     )
 
 
+def source_stamp(path: Path | None) -> dict | None:
+    """What identifies the version of a raw file: its path, size and modification time (ns)."""
+    if path is None:
+        return None
+    stat = Path(path).stat()
+    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _sources(case: RawCase) -> dict:
+    return {"image": source_stamp(case.image), "label": source_stamp(case.label), "frame": case.frame}
+
+
 def prepare_case(spec: TaskSpec, case: RawCase, out_dir: Path, seed: int = 0) -> dict:
     """Check, convert, reorient and resample one case; write its files and record; return the record."""
     image_path, label_path, record_path, sample_path = _paths(out_dir, case.case_id)
     if case.label is None:
         raise PrepareError(f"case {case.case_id}: no label file")
+    sources = _sources(case)  # before reading: a file changed while it is read is prepared again next time
     image, image_affine = _read(case.image, "image", case.case_id)
     label, label_affine = _read(case.label, "label", case.case_id)
     image = _as_3d(image, case.frame, case.case_id, "image", case.image)
@@ -165,6 +180,7 @@ def prepare_case(spec: TaskSpec, case: RawCase, out_dir: Path, seed: int = 0) ->
         "source_image": str(case.image),
         "source_label": str(case.label),
         "frame": case.frame,
+        "sources": sources,
         "domain": case.domain,
         "optional": case.optional,
     }
@@ -184,7 +200,10 @@ def _done(out_dir: Path, case: RawCase) -> dict | None:
         record = json.loads(record_path.read_text())
     except (OSError, ValueError):
         return None
-    same_source = record.get("source_image") == str(case.image) and record.get("frame") == case.frame
+    try:
+        same_source = record.get("sources") == _sources(case)
+    except OSError:  # a raw file vanished: prepare_case names it
+        return None
     return record if same_source else None
 
 
@@ -273,18 +292,35 @@ def prepare_task(
     if records:
         logger.info("%s: %d cases already prepared, %d to do", spec.name, len(records), len(todo))
     bar = tqdm(total=len(todo), desc=f"prepare {spec.name}", unit="case", disable=not progress or not todo)
+    failures: dict[str, str] = {}
+
+    def failed(case: RawCase, err: Exception) -> None:
+        message = str(err) if isinstance(err, PrepareError) else f"case {case.case_id}: {type(err).__name__}: {err}"
+        failures[case.case_id] = message
+        logger.error("%s", message)
+
     if num_workers > 1 and len(todo) > 1:
         with ProcessPoolExecutor(num_workers) as pool:
-            futures = [pool.submit(_prepare_one, spec.name, c, out_dir, seed) for c in todo]
-            for future in futures:
-                record = future.result()
-                records[record["case"]] = record
+            futures = [(c, pool.submit(_prepare_one, spec.name, c, out_dir, seed)) for c in todo]
+            for c, future in futures:
+                try:
+                    records[c.case_id] = future.result()
+                except Exception as err:  # noqa: BLE001 - reported with every other failing case below
+                    failed(c, err)
                 bar.update()
     else:
         for c in todo:
-            records[c.case_id] = prepare_case(spec, c, out_dir, seed)
+            try:
+                records[c.case_id] = prepare_case(spec, c, out_dir, seed)
+            except Exception as err:  # noqa: BLE001 - reported with every other failing case below
+                failed(c, err)
             bar.update()
     bar.close()
+    if failures:
+        raise PrepareError(
+            f"{len(failures)} of {len(cases)} cases failed (the other cases are prepared; fix these and run again "
+            f"to resume):\n" + "\n".join(f"  {failures[c]}" for c in sorted(failures))
+        )
 
     empty_optional = {c.case_id for c in cases if c.optional and sum(records[c.case_id]["class_voxels"][1:]) == 0}
     if empty_optional:
