@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from monai.data import MetaTensor
 from monai.transforms import Compose
 
-from jcsaug.data import CheckFinited, SafeLoadImaged
+from jcsaug.data import CheckFinited, CheckImageLabeld, SafeLoadImaged
 from jcsaug.ops.tra import TRA_SERIES, apply_tra, sample_tra_params
 from jcsaug.policy import ClassGroupd, TRACascaded, make_tra_policy
 from jcsaug.policy.io import load_policies, save_policies
@@ -328,3 +328,102 @@ def test_nifti_gz_missing_only_its_gzip_trailer_is_refused(nifti_dir, missing):
     path.write_bytes(data[:-missing])
     with pytest.raises(ValueError, match=rf"^cannot read {path}: EOFError"):
         _load(path)
+
+
+# ------------------------------------------------------------------------------- image/label pairs (issue 12 5, 6)
+
+
+def _pair(tmp: Path, name: str, image: np.ndarray, label: np.ndarray, label_affine=None) -> dict:
+    nib.save(nib.Nifti1Image(image, np.eye(4)), tmp / f"{name}_img.nii.gz")
+    nib.save(nib.Nifti1Image(label, np.eye(4) if label_affine is None else label_affine), tmp / f"{name}_lbl.nii.gz")
+    return {"image": str(tmp / f"{name}_img.nii.gz"), "label": str(tmp / f"{name}_lbl.nii.gz")}
+
+
+def _load_and_check(entry: dict, num_classes: int = 3) -> dict:
+    from monai.transforms import EnsureChannelFirstd
+
+    pipeline = Compose(
+        [
+            SafeLoadImaged(["image", "label"], image_only=True),
+            EnsureChannelFirstd(["image", "label"]),
+            CheckImageLabeld(num_classes=num_classes),
+        ]
+    )
+    try:
+        return pipeline(entry)
+    except RuntimeError as err:  # MONAI's Compose wraps transform errors
+        raise err.__cause__ or err from None
+
+
+def _flip_x(shape):
+    a = np.eye(4)
+    a[0, 0], a[0, 3] = -1.0, shape[0] - 1.0
+    return a
+
+
+BAD_PAIRS = {
+    # name: (image, label, label affine, expected message)
+    "flipped_affine": ((10, 9, 8), np.uint8, None, _flip_x((10, 9, 8)), r"image and label affines differ"),
+    "2mm_label": ((10, 9, 8), np.uint8, None, np.diag([2.0, 2.0, 2.0, 1.0]), r"image and label affines differ"),
+    "shape": ((10, 9, 8), np.uint8, (10, 9, 7), None, r"image shape \(10, 9, 8\) and label shape \(10, 9, 7\) differ"),
+    "label_7": ((10, 9, 8), np.uint8, 7, None, r"label values \[7\] are not classes 0\.\.2"),
+    "label_-1": ((10, 9, 8), np.int16, -1, None, r"label values \[-1\] are not classes 0\.\.2"),
+    "label_256": ((10, 9, 8), np.int16, 256, None, r"label values \[256\] are not classes 0\.\.2"),
+    "label_0.5": ((10, 9, 8), np.float32, 0.5, None, r"label has non-integer values, e\.g\. \[0\.5\]"),
+    "2d": ((10, 9), np.uint8, None, None, r"image is 2D \(spatial shape \(10, 9\)\), 3D is needed"),
+    "4d": ((10, 9, 8, 3), np.uint8, None, None, r"image has 3 channels \(a 4D file\?\), 1 expected"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_PAIRS))
+def test_bad_image_label_pairs_name_the_case_and_the_values(tmp_path, name):
+    image_shape, label_dtype, label_change, label_affine, expected = BAD_PAIRS[name]
+    image = np.random.RandomState(0).rand(*image_shape).astype(np.float32)
+    label_shape = label_change if isinstance(label_change, tuple) else image_shape[:3]
+    label = np.zeros(label_shape, dtype=label_dtype)
+    label[(slice(2, 4),) * label.ndim] = 1
+    if label_change is not None and not isinstance(label_change, tuple):
+        label[(5,) * label.ndim] = label_change
+    entry = _pair(tmp_path, name, image, label, label_affine)
+    with pytest.raises(ValueError, match=rf"^case {re.escape(entry['image'])} \(with {re.escape(entry['label'])}\): "
+                       rf".*{expected}"):  # fmt: skip
+        _load_and_check(entry)
+
+
+def test_a_good_pair_passes_unchanged(tmp_path):
+    image = np.random.RandomState(0).rand(10, 9, 8).astype(np.float32)
+    label = np.zeros((10, 9, 8), np.int16)
+    label[1, 2, 3], label[4, 5, 6] = 1, 2
+    out = _load_and_check(_pair(tmp_path, "good", image, label))
+    assert tuple(out["image"].shape) == (1, 10, 9, 8) and set(np.unique(out["label"]).tolist()) == {0, 1, 2}
+
+
+@FAST
+@given(
+    shapes,
+    st.integers(1, 3),
+    st.sets(st.integers(-3, 300), min_size=1, max_size=4),
+    st.sampled_from([np.uint8, np.int16, np.float32]),
+    st.floats(-0.01, 0.01),
+    seeds,
+)
+def test_check_image_label_accepts_exactly_consistent_pairs(shape, channels, values, dtype, shift, seed):
+    """Property: the check passes iff dims/channels/shapes/affines agree and the values are classes 0..2."""
+    rng = np.random.RandomState(seed % 2**32)
+    if dtype is np.uint8:
+        values = {v % 256 for v in values}
+    label = rng.choice(sorted(values), size=(1, *shape)).astype(dtype)
+    affine = np.eye(4)
+    label_affine = affine.copy()
+    label_affine[0, 3] += shift
+    data = {
+        "image": MetaTensor(rng.rand(channels, *shape).astype(np.float32), affine=torch.as_tensor(affine),
+                            meta={"filename_or_obj": "img.nii.gz"}),
+        "label": MetaTensor(label, affine=torch.as_tensor(label_affine), meta={"filename_or_obj": "lbl.nii.gz"}),
+    }  # fmt: skip
+    good = channels == 1 and abs(shift) <= 1e-3 and values <= {0, 1, 2}
+    if good:
+        assert CheckImageLabeld(num_classes=3)(data) is data
+    else:
+        with pytest.raises(ValueError, match=r"^case img\.nii\.gz \(with lbl\.nii\.gz\): "):
+            CheckImageLabeld(num_classes=3)(data)

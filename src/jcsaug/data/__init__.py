@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from jcsaug.data.checks import CheckFinited, SafeLoadImaged
+from jcsaug.data.checks import CheckFinited, CheckImageLabeld, SafeLoadImaged
 from jcsaug.data.normalise import intensity_normalisation
 from jcsaug.data.synthetic import make_synthetic_dataset, synthetic_datalist
 
-__all__ = ["CheckFinited", "SafeLoadImaged", "intensity_normalisation", "make_synthetic_dataset", "synthetic_datalist"]
+__all__ = [
+    "CheckFinited",
+    "CheckImageLabeld",
+    "SafeLoadImaged",
+    "intensity_normalisation",
+    "make_synthetic_dataset",
+    "synthetic_datalist",
+]

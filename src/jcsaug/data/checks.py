@@ -1,17 +1,22 @@
-"""Input checks for the data pipelines: readable files, finite images.
+"""Input checks for the data pipelines: readable files, finite images, consistent image/label pairs.
 
 * :class:`SafeLoadImaged` is MONAI's ``LoadImaged`` whose reader errors (corrupted gzip, truncated or
   foreign file, missing file) become ``ValueError("cannot read <file>: <reason>")``.
 * :class:`CheckFinited` refuses an image holding NaN/Inf (a ``ValueError`` naming the key, the case and
   the number of bad voxels), or with ``clean=True`` sets those voxels to ``fill`` (0) with a warning.
   Put it right after loading: a single NaN would otherwise reach the losses and the policies.
+* :class:`CheckImageLabeld` refuses a case whose image and label do not go together: not 3D, another number of
+  image channels, different shapes or affines, label values that are not integers in ``[0, num_classes)``. Put it
+  after ``EnsureChannelFirstd`` and before any resampling or dtype cast (a uint8 cast turns 256 into 0).
+* :func:`pair_problems` is the geometry part of those checks, shared with :func:`jcsaug.engine.preflight`, which
+  runs it on the NIfTI headers of every split before training.
 """
 
 from __future__ import annotations
 
 import gzip
 import warnings
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +163,129 @@ class SafeLoadImaged(LoadImaged):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._loader = _NamingLoader(self._loader)
+
+
+def pair_problems(
+    shapes: Mapping[str, Sequence[int]],
+    affines: Mapping[str, np.ndarray | None],
+    channels: Mapping[str, int],
+    image_key: str = "image",
+    spatial_dims: int = 3,
+    image_channels: int | None = 1,
+    affine_atol: float = 1e-3,
+) -> list[str]:
+    """What is wrong with the geometry of one case (``[]``: nothing), each problem naming the values found.
+
+    Args:
+        shapes: key -> spatial shape; affines: key -> 4x4 affine (``None``: unknown); channels: key -> channels.
+        image_key: the key whose geometry the others must match (must be in ``shapes``).
+        spatial_dims: the spatial dimensions every key must have.
+        image_channels: channels of the image (``None``: any); every other key must have one channel.
+        affine_atol: tolerance of the affine comparison, in mm.
+    """
+    problems = []
+    for key, shape in shapes.items():
+        if len(shape) != spatial_dims:
+            problems.append(f"{key} is {len(shape)}D (spatial shape {tuple(shape)}), {spatial_dims}D is needed")
+    for key, n in channels.items():
+        expected = image_channels if key == image_key else 1
+        if expected is not None and n != expected:
+            problems.append(f"{key} has {n} channels (a 4D file?), {expected} expected")
+    if problems:
+        return problems
+    reference = tuple(shapes[image_key])
+    for key, shape in shapes.items():
+        if key != image_key and tuple(shape) != reference:
+            problems.append(f"{image_key} shape {reference} and {key} shape {tuple(shape)} differ")
+    ref_affine = affines.get(image_key)
+    for key, affine in affines.items():
+        if key == image_key or affine is None or ref_affine is None:
+            continue
+        a, b = np.asarray(ref_affine, dtype=np.float64), np.asarray(affine, dtype=np.float64)
+        if a.shape != b.shape or not np.allclose(a, b, rtol=1e-5, atol=affine_atol):
+            problems.append(
+                f"{image_key} and {key} affines differ (tolerance {affine_atol:g} mm): {image_key} "
+                f"{np.round(a, 4).tolist()}, {key} {np.round(b, 4).tolist()}"
+            )
+    return problems
+
+
+def label_value_problems(label: np.ndarray | torch.Tensor, num_classes: int) -> list[str]:
+    """What is wrong with the values of a label map (``[]``: nothing): non-integers, or outside ``[0, num_classes)``."""
+    x = (
+        label.as_tensor()
+        if isinstance(label, MetaTensor)
+        else torch.as_tensor(np.asarray(label) if isinstance(label, np.ndarray) else label)
+    )
+    if x.is_floating_point():
+        off = x[(x - x.round()).abs() > 1e-3]
+        if off.numel():
+            return [f"label has non-integer values, e.g. {sorted(set(off.flatten()[:1000].tolist()))[:5]}"]
+    if x.numel() == 0:
+        return []
+    lo, hi = x.min(), x.max()
+    if lo < 0 or hi >= num_classes:
+        bad = torch.unique(x[(x < 0) | (x >= num_classes)])
+        values = [int(v) if float(v).is_integer() else float(v) for v in bad[:10].tolist()]
+        return [f"label values {values} are not classes 0..{num_classes - 1} (num_classes {num_classes})"]
+    return []
+
+
+class CheckImageLabeld(MapTransform):
+    """Refuse a case whose image and label do not go together (a ``ValueError`` naming the case and the values).
+
+    Checks, on channel-first arrays (after ``EnsureChannelFirstd``): every key is ``spatial_dims``-D; the image has
+    ``image_channels`` channels and the others one; all keys have the image's spatial shape and (MetaTensors) its
+    affine within ``affine_atol`` mm; with ``num_classes``, the label values are integers in ``[0, num_classes)``.
+
+    Args:
+        keys: the keys to check together; the first is the image (default ``("image", "label")``).
+        label_key: the key of the label map (its values are checked); ``None``: no value check.
+        num_classes: number of classes including background (``None``: label values not checked).
+        spatial_dims: spatial dimensions of every key.
+        image_channels: channels of the image (``None``: any number).
+        affine_atol: tolerance of the affine comparison, in mm.
+        allow_missing_keys: skip absent keys (a case without label passes the label checks).
+    """
+
+    def __init__(
+        self,
+        keys: KeysCollection = ("image", "label"),
+        label_key: str | None = "label",
+        num_classes: int | None = None,
+        spatial_dims: int = 3,
+        image_channels: int | None = 1,
+        affine_atol: float = 1e-3,
+        allow_missing_keys: bool = False,
+    ) -> None:
+        super().__init__(keys, allow_missing_keys)
+        self.label_key = label_key
+        self.num_classes = None if num_classes is None else int(num_classes)
+        self.spatial_dims = int(spatial_dims)
+        self.image_channels = image_channels
+        self.affine_atol = float(affine_atol)
+
+    def __call__(self, data: Mapping) -> Mapping:
+        keys = list(self.key_iterator(data))
+        if not keys:
+            return data
+        image_key = self.keys[0] if self.keys[0] in keys else keys[0]
+        shapes, affines, channels = {}, {}, {}
+        for key in keys:
+            value = data[key]
+            shape = tuple(value.shape)
+            channels[key], shapes[key] = (shape[0], shape[1:]) if len(shape) > 1 else (1, shape)
+            affine = getattr(value, "affine", None) if isinstance(value, MetaTensor) else None
+            affines[key] = None if affine is None else np.asarray(affine)
+        case = case_name(data, image_key)
+        problems = pair_problems(
+            shapes, affines, channels, image_key, self.spatial_dims, self.image_channels, self.affine_atol
+        )
+        if not problems and self.num_classes is not None and self.label_key in keys:
+            problems = label_value_problems(data[self.label_key], self.num_classes)
+        if problems:
+            files = {case_name(data, k) for k in keys} - {UNKNOWN_CASE}
+            others = sorted(files - {case})
+            also = f" (with {', '.join(others)})" if others else ""
+            raise ValueError(f"case {case}{also}: " + "; ".join(problems))
+        return data
