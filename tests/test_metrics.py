@@ -226,3 +226,28 @@ def test_evaluate_cases_warns_when_spacing_is_unknown():
     metrics = evaluate_cases(_Oracle(), [{"image": "x"}], lambda e: data, {"none": SimpleInferer()}, 2,
                              spacing=(1.0, 2.0, 3.0), progress=False)  # fmt: skip
     assert metrics["none"]["per_case"][0]["spacing"] == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_failing_case_is_recorded_and_the_others_are_evaluated(tmp_path, strict):
+    """Issue 12 item 7: evaluation names a bad case, goes on, and writes the metrics of the good ones."""
+    good = {"image": torch.ones(1, 4, 4, 4), "label": torch.ones(1, 4, 4, 4)}
+
+    def load(entry):
+        if entry["image"] == "bad.nii.gz":
+            raise RuntimeError("applying transform") from ValueError("cannot read bad.nii.gz: EOFError")
+        return good
+
+    cases = [{"image": "a.nii.gz"}, {"image": "bad.nii.gz"}, {"image": "c.nii.gz"}]
+    out = tmp_path / "metrics.json"
+    args = (_Oracle(), cases, load, {"none": SimpleInferer()}, 2)
+    with pytest.warns(UserWarning, match=r"evaluation of case bad\.nii\.gz failed: ValueError: cannot read bad"):
+        if strict:
+            with pytest.raises(ValueError, match=r"evaluation failed for 1 of 3 cases .*\n  bad\.nii\.gz: ValueError"):
+                evaluate_cases(*args, output_path=out, spacing=1.0, progress=False)
+        else:
+            evaluate_cases(*args, output_path=out, spacing=1.0, progress=False, strict=False)
+    written = json.loads(out.read_text())["none"]
+    assert [r["case"] for r in written["per_case"]] == ["a.nii.gz", "c.nii.gz"] and written["mean_dice"] == 1.0
+    assert written["failed_cases"] == [{"case": "bad.nii.gz", "error": "ValueError: cannot read bad.nii.gz: EOFError"}]
+    assert (tmp_path / "per_case.csv").read_text().count("nii.gz") == 2

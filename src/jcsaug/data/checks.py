@@ -125,7 +125,7 @@ class _NamingLoader:
                 _verify_gzip(name)
             return self._inner(filename, reader)
         except Exception as err:  # noqa: BLE001 - readers raise anything (OSError, EOFError, gzip, nibabel...)
-            raise ValueError(f"cannot read {filename}: {_reason(err)}") from err
+            raise ValueError(f"cannot read {filename}: {describe_error(err)}") from err
 
 
 def _paths(filename) -> list[str]:
@@ -143,7 +143,7 @@ def _verify_gzip(path: str, chunk: int = 1 << 22) -> None:
                 pass
 
 
-def _reason(err: BaseException) -> str:
+def describe_error(err: BaseException) -> str:
     """The innermost, most specific cause of a reader error, in one line."""
     while err.__cause__ is not None or (err.__context__ is not None and not err.__suppress_context__):
         err = err.__cause__ or err.__context__

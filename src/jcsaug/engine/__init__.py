@@ -38,6 +38,14 @@ from jcsaug.engine.modes import (
     register_tra_mode,
 )
 from jcsaug.engine.posthoc import learn_tea_posthoc
+from jcsaug.engine.preflight import (
+    PreflightError,
+    check_data,
+    check_output_dir,
+    check_override_ids,
+    check_patch_size,
+    check_settings,
+)
 from jcsaug.engine.resume import EpochReseeder, ResumeCheckpoint, StopAfterEpochs
 from jcsaug.engine.summary import RunSummary
 from jcsaug.engine.tea_updater import TEAPolicyUpdater
@@ -71,6 +79,12 @@ __all__ = [
     "read_checkpoint",
     "StopOnNonFiniteLoss",
     "TrainingDiverged",
+    "PreflightError",
+    "check_data",
+    "check_output_dir",
+    "check_override_ids",
+    "check_patch_size",
+    "check_settings",
     "LOSSES",
     "TEA_MODES",
     "TRA_MODES",

@@ -100,8 +100,34 @@ class ResumeCheckpoint:
             return
         if not self.path.exists():
             raise FileNotFoundError(f"resume requested but {self.path} does not exist (no finished epoch to resume)")
+        asked = (engine.state.max_epochs, engine.state.epoch_length) if engine is not None else (None, None)
         state = load_checkpoint(self.path, self.objects)
+        check_resume_matches(state, self.path, *asked)
         logger.info("resumed from %s at iteration %s", self.path, state["trainer"].get("iteration"))
+
+
+def check_resume_matches(state: Mapping, path: Path, max_epochs: int | None, epoch_length: int | None) -> None:
+    """Refuse to resume a run with another ``max_epochs`` or ``epoch_length`` than it was saved with (a
+    ``ValueError`` naming both).
+
+    Resume continues a run exactly (same LR and policy-LR schedules, same data order): its length is part of the
+    run, and ignite would silently keep the saved one. A longer run is a new run (another ``output_dir``).
+    """
+    trainer = state.get("trainer") if isinstance(state, Mapping) else None
+    if not isinstance(trainer, Mapping):
+        return
+    saved = {"max_epochs": trainer.get("max_epochs"), "epoch_length": trainer.get("epoch_length")}
+    asked = {"max_epochs": max_epochs, "epoch_length": epoch_length}
+    differ = [k for k in saved if asked[k] is not None and saved[k] is not None and int(asked[k]) != int(saved[k])]
+    if differ:
+        got = ", ".join(f"--{k} {asked[k]}" for k in differ)
+        was = ", ".join(f"{k} {saved[k]}" for k in differ)
+        raise ValueError(
+            f"cannot resume {path} with {got}: that run was saved with {was} (after {trainer.get('iteration')} "
+            "iterations). "
+            "Resume continues a run exactly, its LR schedule included, so it keeps its length: resume without "
+            "these overrides, or start a longer run in another --output_dir (or with --overwrite true)"
+        )
 
 
 class StopAfterEpochs:

@@ -1,8 +1,10 @@
 """Evaluate a segmentation network on whole cases with one or more (TTA) inferers.
 
-Writes ``metrics.json`` (per method: mean Dice, per-metric summaries, per-case values) and a per-case,
-per-class ``per_case.csv`` (the input of ``jcsaug report``). Metric conventions for empty masks are those
-of :mod:`jcsaug.evaluation.metrics`; undefined values are NaN in memory and in the CSV, ``null`` in JSON.
+Writes ``metrics.json`` (per method: mean Dice, per-metric summaries, per-case values, failed cases) and a
+per-case, per-class ``per_case.csv`` (the input of ``jcsaug report``). A case that cannot be loaded or segmented
+is recorded with its error and the others are evaluated (the error comes after the files are written). Metric
+conventions for empty masks are those of :mod:`jcsaug.evaluation.metrics`; undefined values are NaN in memory and
+in the CSV, ``null`` in JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from monai.metrics import DiceMetric
 from monai.networks.utils import one_hot
 from tqdm.auto import tqdm
 
+from jcsaug.data.checks import describe_error
 from jcsaug.evaluation.metrics import METRICS, case_metrics, count_statuses, nanmean, summarize_cases
 from jcsaug.utils import as_flag, atomic_write_text
 
@@ -158,6 +161,7 @@ def evaluate_cases(
     keep_largest_component: bool = False,
     csv_path: str | Path | None = None,
     extra: Mapping | None = None,
+    strict: bool = True,
 ) -> dict:
     """Dice, sensitivity, precision and HD95 of every case under every inferer; returns the metrics dict.
 
@@ -175,12 +179,16 @@ def evaluate_cases(
         csv_path: where to write the per-case CSV (default: ``per_case.csv`` next to ``output_path``).
         extra: more top-level entries of ``metrics.json`` besides the methods, e.g. the bundles'
             ``"policy_updates"`` (updates done and skipped per policy updater); not in the returned dict.
+        strict: after writing the files, raise a ``ValueError`` naming every case that failed (to load or to be
+            segmented); ``False``: only warn. Either way the failed cases are in ``failed_cases`` and the others
+            are evaluated.
 
     Returns:
         ``{method: {"mean_dice", "mean_dice_per_class", "summary": {metric: {"mean", "per_class",
         "n_undefined", "n_undefined_per_class"}}, "empty_cases": {status: [count per class]},
         "per_case": [{"case", "dice", "mean_dice", "sensitivity", "precision", "hd95", "status",
-        "spacing"}]}}`` — per-case metric values are lists over the foreground classes.
+        "spacing"}], "failed_cases": [{"case", "error"}]}}`` — per-case metric values are lists over the
+        foreground classes; means are over the cases that did not fail.
     """
     keep_largest_component = as_flag(keep_largest_component)  # '--keep_largest_component false' is a string
     if not cases:
@@ -189,24 +197,18 @@ def evaluate_cases(
     network.eval()
     per_method: dict[str, list[dict]] = {name: [] for name in inferers}
     unknown_spacing: list[str] = []
+    failed: list[dict] = []
     with torch.no_grad():
         for index, entry in enumerate(tqdm(cases, desc="evaluate", disable=not progress)):
-            data = load(entry)
             case = str(entry.get(image_key, f"case_{index}")) if isinstance(entry, Mapping) else f"case_{index}"
-            if spacing is not None:
-                voxel = np.broadcast_to(np.asarray(spacing, dtype=float), (data[image_key].ndim - 1,)).tolist()
-            else:
-                voxel, _source = case_spacing(data, entry, image_key, spacing_key)
-                if voxel is None:
-                    unknown_spacing.append(case)
-                    voxel = [1.0] * (data[image_key].ndim - 1)
-            image = torch.as_tensor(data[image_key]).unsqueeze(0).to(device)
-            label = torch.as_tensor(data[label_key]).cpu()
-            for name, inferer in inferers.items():
-                pred = inferer(image, network).argmax(1)[0].cpu()
-                values = case_metrics(pred, label[0], num_classes, voxel, keep_largest_component=keep_largest_component)
-                row = {"case": case, "dice": values["dice"], "mean_dice": _mean(values["dice"])}
-                row.update({m: values[m] for m in METRICS[1:]}, status=values["status"], spacing=voxel)
+            try:
+                rows = _evaluate_case(network, entry, load, inferers, num_classes, device, image_key, label_key,
+                                      spacing, spacing_key, keep_largest_component, unknown_spacing, case)  # fmt: skip
+            except Exception as err:  # noqa: BLE001 - recorded with its reason; the other cases go on
+                failed.append({"case": case, "error": describe_error(err)})
+                warnings.warn(f"evaluation of case {case} failed: {failed[-1]['error']}", stacklevel=2)
+                continue
+            for name, row in rows.items():
                 per_method[name].append(row)
     if unknown_spacing:
         warnings.warn(
@@ -221,6 +223,7 @@ def evaluate_cases(
             "summary": summarize_cases(rows, num_classes),
             "empty_cases": count_statuses(rows, num_classes),
             "per_case": rows,
+            "failed_cases": failed,
         }
         for name, rows in per_method.items()
     }
@@ -233,4 +236,44 @@ def evaluate_cases(
         csv_path = Path(output_path).with_name("per_case.csv")
     if csv_path is not None:
         atomic_write_text(csv_path, per_case_csv(metrics))
+    if failed and as_flag(strict):
+        listed = "\n  ".join(f"{f['case']}: {f['error']}" for f in failed)
+        where = f" (the other cases are in {output_path})" if output_path is not None else ""
+        raise ValueError(f"evaluation failed for {len(failed)} of {len(cases)} cases{where}:\n  {listed}")
     return metrics
+
+
+def _evaluate_case(
+    network: torch.nn.Module,
+    entry: Mapping,
+    load: Callable[[Mapping], Mapping],
+    inferers: Mapping[str, Inferer],
+    num_classes: int,
+    device: torch.device,
+    image_key: str,
+    label_key: str,
+    spacing: float | Sequence[float] | None,
+    spacing_key: str | None,
+    keep_largest_component: bool,
+    unknown_spacing: list[str],
+    case: str,
+) -> dict[str, dict]:
+    """One case under every inferer: ``{method: row}`` (see :func:`evaluate_cases`)."""
+    data = load(entry)
+    if spacing is not None:
+        voxel = np.broadcast_to(np.asarray(spacing, dtype=float), (data[image_key].ndim - 1,)).tolist()
+    else:
+        voxel, _source = case_spacing(data, entry, image_key, spacing_key)
+        if voxel is None:
+            unknown_spacing.append(case)
+            voxel = [1.0] * (data[image_key].ndim - 1)
+    image = torch.as_tensor(data[image_key]).unsqueeze(0).to(device)
+    label = torch.as_tensor(data[label_key]).cpu()
+    rows = {}
+    for name, inferer in inferers.items():
+        pred = inferer(image, network).argmax(1)[0].cpu()
+        values = case_metrics(pred, label[0], num_classes, voxel, keep_largest_component=keep_largest_component)
+        row = {"case": case, "dice": values["dice"], "mean_dice": _mean(values["dice"])}
+        row.update({m: values[m] for m in METRICS[1:]}, status=values["status"], spacing=voxel)
+        rows[name] = row
+    return rows

@@ -1,0 +1,505 @@
+"""Checks a bundle runs in its ``initialize`` step, before any data is cached or any file is written.
+
+Bad settings, a misspelled override id, a missing or inconsistent case in *any* split, a patch size the network
+cannot take, or an output folder holding another run all fail in seconds with one error that names what is wrong
+(and the valid choices), instead of after hours of training or, worse, not at all.
+
+* :func:`check_settings`: the values of the bundle's settings (network name, modes, ``tea_z``, counts, learning
+  rate) and the ids given on the command line (:func:`check_override_ids`).
+* :func:`check_output_dir`: a fresh run never mixes with another run in its ``output_dir``; ``resume`` continues
+  it (with its own ``max_epochs``/``epoch_length``), ``overwrite`` replaces it.
+* :func:`check_data`: every split's files exist and each image/label pair has the same 3D shape and affine (NIfTI
+  headers only; label values are checked when the cases are loaded, by :class:`jcsaug.data.CheckImageLabeld`);
+  an empty validation split is only a warning, or nothing where no mode needs it.
+* :func:`check_patch_size`: the network's output covers the patch (a forward pass on the meta device: no memory,
+  no compute).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import difflib
+import functools
+import logging
+import math
+import numbers
+import shutil
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ignite.distributed as idist
+import numpy as np
+import torch
+from torch import nn
+
+from jcsaug.data.checks import pair_problems
+from jcsaug.engine.resume import RESUME_FILE, check_resume_matches
+from jcsaug.utils import as_flag
+
+__all__ = [
+    "RUN_ARTEFACTS",
+    "check_data",
+    "check_output_dir",
+    "check_override_ids",
+    "check_patch_size",
+    "check_resume_matches",
+    "check_settings",
+    "needs_validation",
+]
+
+logger = logging.getLogger("jcsaug.engine")
+
+#: What a run writes into its ``output_dir`` (glob patterns): a folder holding any of these holds a run.
+RUN_ARTEFACTS = (
+    RESUME_FILE,
+    "checkpoint_*.pt",
+    "policies.json",
+    "policies.png",
+    "policy_history.jsonl",
+    "policy_history.png",
+    "metrics.json",
+    "per_case.csv",
+    "metrics_evaluate.json",
+    "per_case_evaluate.csv",
+    "tensorboard",
+    "predictions",
+)
+
+#: ``monai.bundle run`` arguments that are not config ids.
+_RUN_ARGUMENTS = frozenset(
+    {"run_id", "init_id", "final_id", "meta_file", "config_file", "logging_file", "tracking", "args_file",
+     "workflow_name", "workflow_type", "properties_path"}
+)  # fmt: skip
+_MAX_LISTED = 20
+
+
+class PreflightError(ValueError):
+    """A setting, an id, the data or the output folder is not fit for the run (raised before it starts)."""
+
+
+def _bundle_command_line() -> bool:
+    return _command_line_ids(sys.argv) is not None
+
+
+def _reported(check: Callable[..., None]) -> Callable[..., None]:
+    """Under ``python -m monai.bundle run`` a :class:`PreflightError` ends the process with its message alone
+    (``SystemExit``, exit status 1) instead of MONAI's "Failed to evaluate ConfigExpression" traceback; called from
+    Python the error is raised as it is."""
+
+    @functools.wraps(check)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            check(*args, **kwargs)
+        except PreflightError as err:
+            if not _bundle_command_line():
+                raise
+            logger.error("%s", err)
+            raise SystemExit(f"error: {err}") from None
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------------- settings
+def _positive_int(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        return "must be an integer >= 1"
+    return None
+
+
+def _non_negative_int(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        return "must be an integer >= 0"
+    return None
+
+
+def _positive_finite(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        return "must be a finite number > 0"
+    return None
+
+
+def _flag(value: Any) -> str | None:
+    try:
+        as_flag(value)
+    except ValueError:
+        return "must be true or false"
+    return None
+
+
+def _one_of(choices: Iterable[str]) -> Any:
+    choices = tuple(choices)
+
+    def check(value: Any) -> str | None:
+        return None if value in choices else f"must be one of {', '.join(choices)}"
+
+    return check
+
+
+def _network(value: Any) -> str | None:
+    from jcsaug.networks import NETWORKS
+
+    if isinstance(value, str) and value in NETWORKS:
+        return None
+    return f"must be one of {', '.join(sorted(NETWORKS))}"
+
+
+def _tea_z(value: Any) -> str | None:
+    from jcsaug.ops.tea import TEA_OPS
+
+    if _positive_int(value) or value > len(TEA_OPS):
+        return f"must be an integer in 1..{len(TEA_OPS)} (the TEA catalogue has {len(TEA_OPS)} ops)"
+    return None
+
+
+def _patch_size(value: Any) -> str | None:
+    values = [value] if isinstance(value, numbers.Integral) else value
+    if (
+        not isinstance(values, Sequence)
+        or isinstance(values, str)
+        or not values
+        or any(_positive_int(v) for v in values)
+    ):
+        return "must be a list of positive integers, one per spatial axis, e.g. [32, 32, 32]"
+    return None
+
+
+def _validators() -> dict[str, Any]:
+    from jcsaug.engine.modes import TEA_MODES, TRA_MODES
+
+    positive = ("max_epochs", "epoch_length", "tra_update_every", "tea_update_every", "num_tea_copies",
+                "posthoc_iterations", "samples_per_case", "cases_per_batch", "train_cases_per_batch", "val_batch_size",
+                "num_classes")  # fmt: skip
+    rates = ("learning_rate", "tra_lr", "tea_lr", "posthoc_lr")
+    return {
+        **dict.fromkeys(positive, _positive_int),
+        **dict.fromkeys(("num_workers", "stop_after_epochs", "seed"), _non_negative_int),
+        **dict.fromkeys(rates, _positive_finite),
+        **dict.fromkeys(("resume", "overwrite", "train_on_val", "keep_largest_component"), _flag),
+        "tra_mode": _one_of(TRA_MODES),
+        "tea_mode": _one_of(TEA_MODES),
+        "network": _network,
+        "tea_z": _tea_z,
+        "patch_size": _patch_size,
+    }
+
+
+@_reported
+def check_settings(argv: Sequence[str] | None = None, **settings: Any) -> None:
+    """Check the values of a bundle's settings (id -> value; ids without a rule are not checked) and, when the
+    process is ``python -m monai.bundle run``, the override ids of its command line (:func:`check_override_ids`).
+
+    Raises:
+        PreflightError: one line per bad value, ``--id value: what it must be``.
+    """
+    check_override_ids(argv)
+    rules = _validators()
+    problems = []
+    for key, value in settings.items():
+        rule = rules.get(key)
+        reason = rule(value) if rule is not None else None
+        if reason:
+            problems.append(f"--{key} {value!r}: {reason}")
+    if problems:
+        raise PreflightError("bad settings:\n  " + "\n  ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------- override ids
+def _command_line_ids(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
+    """``(ids given as --id, config files)`` of a ``monai.bundle run`` command line, else ``None``."""
+    if len(argv) < 2 or not Path(argv[0]).parent.match("monai/bundle") or argv[1] not in ("run", "run_workflow"):
+        return None
+    ids, values = [], {}
+    for i, token in enumerate(argv[2:], 2):
+        if token.startswith("--") and len(token) > 2:
+            key, eq, value = token[2:].partition("=")
+            ids.append(key)
+            values[key] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    config = values.get("config_file", "")
+    args_file = values.get("args_file")
+    if args_file:
+        from monai.bundle import ConfigParser
+
+        extra = ConfigParser.load_config_file(args_file)
+        ids += list(extra)
+        config = config or extra.get("config_file", "")
+    if isinstance(config, str) and config.strip().startswith("["):
+        config = ast.literal_eval(config.strip())
+    files = [config] if isinstance(config, str) else list(config)
+    return ids, [str(f) for f in files if f]
+
+
+def check_override_ids(argv: Sequence[str] | None = None) -> None:
+    """Refuse override ids that the bundle does not have (``--max_epoch 3`` would silently add a new id).
+
+    Compares the ``--id`` of a ``python -m monai.bundle run`` command line (and of its ``--args_file``) with the
+    top-level ids of its config files (a ``#`` path is checked by its first part). Anything else (a Python caller,
+    ``torchrun``-less tests) is not checked.
+    """
+    found = _command_line_ids(list(sys.argv if argv is None else argv))
+    if found is None:
+        return
+    ids, files = found
+    if not files:
+        return
+    from monai.bundle import ConfigParser
+
+    config = ConfigParser.load_config_files(files)
+    known = set(config) | _RUN_ARGUMENTS
+    unknown = sorted({i for i in ids if _base_id(i) not in known})
+    if unknown:
+        lines = []
+        for name in unknown:
+            close = difflib.get_close_matches(_base_id(name), sorted(known), n=3, cutoff=0.6)
+            hint = f" (did you mean {' or '.join('--' + c for c in close)}?)" if close else ""
+            lines.append(f"--{name}{hint}")
+        settings = sorted(k for k, v in config.items() if _is_setting(v) and not k.startswith("_"))
+        raise PreflightError(
+            f"unknown override id(s) {', '.join(lines)}: not an id of {', '.join(files)}. Its settings: "
+            f"{', '.join(settings)} (and {len(config) - len(settings)} ids of components and expressions)"
+        )
+
+
+def _base_id(override: str) -> str:
+    """The top-level id of an override (``network_def#channels`` -> ``network_def``; fire allows ``-`` for ``_``)."""
+    return override.split("#")[0].replace("-", "_")
+
+
+def _is_setting(value: Any) -> bool:
+    """A plain value a user sets (a number, a word, a list of them), not a component or an expression."""
+    if isinstance(value, str):
+        return not value.startswith(("$", "@", "%"))
+    if isinstance(value, list):
+        return all(_is_setting(v) for v in value)
+    return not isinstance(value, dict)
+
+
+# ----------------------------------------------------------------------------------------------- output folder
+def _artefacts(output_dir: Path) -> list[Path]:
+    return sorted({p for pattern in RUN_ARTEFACTS for p in output_dir.glob(pattern)})
+
+
+@_reported
+def check_output_dir(
+    output_dir: str | Path,
+    resume: bool | str = False,
+    overwrite: bool | str = False,
+    max_epochs: int | None = None,
+    epoch_length: int | None = None,
+) -> None:
+    """A training run's ``output_dir`` must not hold another run, unless it is resumed or replaced.
+
+    * nothing of a run in it (:data:`RUN_ARTEFACTS`; other files are left alone): fine;
+    * ``resume``: ``resume.pt`` must be there, saved with the same ``max_epochs``/``epoch_length``
+      (:func:`check_resume_matches`);
+    * ``overwrite``: the previous run's files and folders (:data:`RUN_ARTEFACTS` only) are deleted, by rank 0;
+    * otherwise a :class:`PreflightError` saying which files are there and how to go on.
+    """
+    output_dir = Path(output_dir)
+    resume, overwrite = as_flag(resume), as_flag(overwrite)
+    if resume and overwrite:
+        raise PreflightError("--resume true and --overwrite true contradict each other: choose one")
+    if output_dir.exists() and not output_dir.is_dir():
+        raise PreflightError(f"output_dir {output_dir} exists and is not a folder")
+    found = _artefacts(output_dir) if output_dir.is_dir() else []
+    if resume:
+        path = output_dir / RESUME_FILE
+        if not path.is_file():
+            raise PreflightError(f"--resume true but {path} does not exist (no finished epoch to resume)")
+        from jcsaug.engine.checkpoints import read_checkpoint
+
+        try:
+            check_resume_matches(read_checkpoint(path), path, max_epochs, epoch_length)
+        except ValueError as err:
+            raise PreflightError(str(err)) from None
+        return
+    if not found:
+        return
+    names = ", ".join(p.name for p in found[:6]) + (", ..." if len(found) > 6 else "")
+    if not overwrite:
+        raise PreflightError(
+            f"{output_dir} holds another run ({names}): pass --resume true to continue it, --overwrite true to "
+            "replace it (its checkpoints, policies, history, metrics and TensorBoard logs are deleted), or choose "
+            "another --output_dir"
+        )
+    if idist.get_rank() == 0:
+        for path in found:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        logger.info("--overwrite true: deleted the previous run's %s in %s", names, output_dir)
+
+
+# ----------------------------------------------------------------------------------------------- data
+def needs_validation(tra_mode: str, tea_mode: str) -> bool:
+    """Whether these modes learn from the validation split (a learned TRA mode, a joint or post-hoc TEA mode)."""
+    from jcsaug.engine.modes import get_tea_mode, get_tra_mode
+
+    tea = get_tea_mode(tea_mode)
+    return get_tra_mode(tra_mode).learned or tea.joint or tea.posthoc
+
+
+def _header(path: Path) -> tuple[tuple[int, ...], np.ndarray] | None:
+    """``(shape, affine)`` of a NIfTI file from its header only; ``None`` for other formats."""
+    if not path.name.endswith((".nii", ".nii.gz")):
+        return None
+    import nibabel as nib
+
+    image = nib.load(str(path))
+    return tuple(int(s) for s in image.shape), np.asarray(image.affine, dtype=np.float64)
+
+
+def _case_problems(
+    entry: Any, keys: Sequence[str], required: Sequence[str], image_channels: int | None, spatial_dims: int
+) -> tuple[str, list[str]]:
+    if not isinstance(entry, Mapping):
+        return repr(entry)[:80], [f"an entry of the datalist is a {type(entry).__name__}, not a dict of files"]
+    name = str(entry.get(keys[0], entry))
+    problems = [f"no {k!r} entry" for k in required if k not in entry]
+    shapes, affines, channels = {}, {}, {}
+    for key in keys:
+        if key not in entry:
+            continue
+        path = Path(str(entry[key]))
+        if not path.is_file():
+            problems.append(f"{key} file {path} does not exist")
+            continue
+        try:
+            header = _header(path)
+        except Exception as err:  # noqa: BLE001 - nibabel raises many types for a broken header
+            problems.append(f"cannot read the {key} header of {path}: {type(err).__name__}: {err}")
+            continue
+        if header is None:
+            continue
+        shape, affine = header
+        extra = shape[spatial_dims:]
+        channels[key] = int(np.prod(extra)) if extra else 1
+        shapes[key], affines[key] = shape[:spatial_dims], affine
+    if not problems and shapes and keys[0] in shapes:
+        problems = pair_problems(shapes, affines, channels, keys[0], spatial_dims, image_channels)
+    return name, problems
+
+
+@_reported
+def check_data(
+    splits: Mapping[str, Sequence[Any]],
+    tra_mode: str | None = None,
+    tea_mode: str | None = None,
+    keys: Sequence[str] = ("image", "label"),
+    require: Sequence[str] | None = None,
+    image_channels: int | None = 1,
+    spatial_dims: int = 3,
+) -> None:
+    """Check every case of every split before the first iteration.
+
+    Args:
+        splits: split name -> datalist entries (``{"image": path, "label": path, ...}``), e.g.
+            ``{"training": ..., "validation": ..., "test": ...}``. Every split other than ``validation`` must
+            have cases; ``validation`` may be empty (a warning if ``tra_mode``/``tea_mode`` learn from it).
+        tra_mode, tea_mode: the run's modes (see :func:`needs_validation`).
+        keys: the file keys of an entry; the first is the image.
+        require: the keys every entry must have (default: all ``keys``).
+        image_channels, spatial_dims: see :func:`jcsaug.data.checks.pair_problems` (NIfTI headers).
+
+    Raises:
+        PreflightError: every failing case of every split (up to 20 listed), each with what is wrong.
+    """
+    require = tuple(keys) if require is None else tuple(require)
+    problems = []
+    for split, entries in splits.items():
+        entries = list(entries or [])
+        if not entries:
+            if split != "validation":
+                problems.append(f"split {split!r} is empty: nothing to {'train on' if split == 'training' else 'use'}")
+            elif tra_mode is not None and tea_mode is not None and needs_validation(tra_mode, tea_mode):
+                warnings.warn(
+                    f"the validation split is empty: every policy update of tra_mode {tra_mode!r} / tea_mode "
+                    f"{tea_mode!r} is skipped and the policies keep their initial presets",
+                    stacklevel=2,
+                )
+            continue
+        for entry in entries:
+            name, found = _case_problems(entry, keys, require, image_channels, spatial_dims)
+            problems += [f"{split}: case {name}: {p}" for p in found]
+    if problems:
+        listed = problems[:_MAX_LISTED]
+        more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        raise PreflightError(
+            f"{len(problems)} problem(s) in the data, found before training:\n  " + "\n  ".join(listed) + more
+        )
+
+
+# ----------------------------------------------------------------------------------------------- patch size
+def _in_channels(net: nn.Module) -> int:
+    channels = getattr(net, "in_channels", None)
+    if isinstance(channels, int):
+        return channels
+    for p in net.parameters():
+        if p.ndim >= 3:
+            return int(p.shape[1])
+    return 1
+
+
+def _meta_copy(net: nn.Module) -> nn.Module:
+    """A copy of ``net`` whose parameters and buffers live on the meta device (shapes only; the network itself is
+    not touched: ``torch.func.functional_call`` can leave swapped tensors in modules reachable by two paths)."""
+    memo: dict[int, Any] = {}
+    for param in net.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    for buffer in net.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(net, memo)
+
+
+def _meta_output_shape(net: nn.Module, size: Sequence[int], in_channels: int) -> tuple[int, ...]:
+    from jcsaug.engine.losses import main_output
+
+    meta = _meta_copy(net).eval()  # deep-supervision networks return their main head only
+    with torch.no_grad():
+        out = meta(torch.empty((1, in_channels, *size), device="meta"))
+    return tuple(main_output(out).shape[2:])
+
+
+@_reported
+def check_patch_size(
+    network: nn.Module,
+    patch_size: int | Sequence[int],
+    in_channels: int | None = None,
+    sizes: Callable[[nn.Module, Sequence[int]], tuple[Sequence[int], Sequence[int]]] | None = None,
+) -> None:
+    """Refuse a patch size whose logits do not cover the patch (e.g. a U-Net's strides do not divide it).
+
+    A forward pass on the meta device (shapes only, no memory, no compute) of a copy of the built ``network``
+    (DDP-wrapped or not). ``sizes(network, patch) -> (input_size, output_size)`` says which input the patch means and
+    which region its logits must cover (the network registry's :meth:`jcsaug.networks.NetworkSpec.sizes`: DeepMedic's
+    logits cover its output region); ``None`` = input and output are the patch. The error names the sizes and a
+    size that fits.
+    """
+    net = getattr(network, "module", network)
+    if not isinstance(net, nn.Module):
+        raise PreflightError(f"network is {net!r}, not a network module")
+    reason = _patch_size(patch_size)
+    if reason:
+        raise PreflightError(f"--patch_size {patch_size!r}: {reason}")
+    channels = _in_channels(net) if in_channels is None else int(in_channels)
+
+    def fits(patch: Sequence[int]) -> tuple[bool, str]:
+        input_size, output_size = (patch, patch) if sizes is None else sizes(net, patch)
+        try:
+            got = _meta_output_shape(net, input_size, channels)
+        except Exception as err:  # noqa: BLE001 - any refusal of the network is the answer
+            return False, f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
+        return got == tuple(int(o) for o in output_size), f"logits {list(got)} for a patch of {list(input_size)}"
+
+    patch = [int(patch_size)] * 3 if isinstance(patch_size, numbers.Integral) else [int(p) for p in patch_size]
+    ok, what = fits(patch)
+    if ok:
+        return
+    hint = ""
+    for k in (2, 4, 8, 16, 32, 64):
+        candidate = [-(-p // k) * k for p in patch]
+        if fits(candidate)[0]:
+            hint = f"; e.g. {candidate} fits"
+            break
+    raise PreflightError(f"--patch_size {patch_size!r} does not fit the {type(net).__name__} ({what}){hint}")

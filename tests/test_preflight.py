@@ -1,0 +1,222 @@
+"""Issue 12 items 3, 4, 7, 8, 9: the checks a bundle runs before its first iteration (jcsaug.engine.preflight)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from ignite.engine import Engine
+from monai.networks.nets import UNet
+
+from jcsaug.engine import (
+    PreflightError,
+    ResumeCheckpoint,
+    check_data,
+    check_output_dir,
+    check_override_ids,
+    check_patch_size,
+    check_settings,
+    save_checkpoint_atomic,
+)
+from jcsaug.networks import get_network, make_network
+
+CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs"
+BUNDLE_MAIN = str(Path(sys.modules["monai"].__file__).parent / "bundle" / "__main__.py")
+
+
+def _argv(*args: str) -> list[str]:
+    return [BUNDLE_MAIN, "run", "--config_file", str(CONFIGS / "train.yaml"), *args]
+
+
+# ----------------------------------------------------------------------------------------------- settings and ids
+def test_bad_settings_are_listed_together_with_the_valid_values():
+    with pytest.raises(PreflightError) as err:
+        check_settings(argv=[], network="nonsense", tea_z=100, tra_mode="nope", tea_mode="joint", max_epochs=0,
+                       learning_rate=float("nan"), resume="maybe", patch_size=[32, 0, 32], other=object())  # fmt: skip
+    message = str(err.value)
+    assert message.splitlines()[0] == "bad settings:"
+    for expected in (
+        "--network 'nonsense': must be one of deepmedic, transformer, unet3d",
+        "--tea_z 100: must be an integer in 1..84 (the TEA catalogue has 84 ops)",
+        "--tra_mode 'nope': must be one of none, heuristic, randaugment-s, randaugment-m, randaugment-l, fixed, "
+        "learned, class-specific",
+        "--max_epochs 0: must be an integer >= 1",
+        "--learning_rate nan: must be a finite number > 0",
+        "--resume 'maybe': must be true or false",
+        "--patch_size [32, 0, 32]: must be a list of positive integers",
+    ):
+        assert expected in message, expected
+    assert "tea_mode" not in message and "other" not in message
+
+
+def test_good_settings_pass():
+    check_settings(argv=[], network="UNet3D", tea_z=84, tra_mode="class-specific", tea_mode="none",
+                   max_epochs=1, epoch_length=3, learning_rate=0.01, num_workers=0, resume="false", overwrite=True,
+                   patch_size=7)  # fmt: skip
+    check_settings(argv=[], network="unet3d", patch_size=[32, 32, 16])
+
+
+def test_misspelled_override_id_is_refused_with_a_suggestion():
+    with pytest.raises(PreflightError, match=r"unknown override id\(s\) --max_epoch \(did you mean --max_epochs\?\)"):
+        check_override_ids(_argv("--max_epoch", "3", "--num_workers", "0"))
+    with pytest.raises(PreflightError) as err:
+        check_override_ids(_argv("--max_epoch=3", "--nonsense_id", "1"))
+    message = str(err.value)
+    assert message.startswith("unknown override id(s) --max_epoch (did you mean --max_epochs?), --nonsense_id: not")
+    assert re.search(r"Its settings: .*\bmax_epochs\b.*\btra_mode\b", message)
+    # the bundle's own ids, nested ids and `monai.bundle run`'s arguments pass; other processes are not checked
+    check_override_ids(_argv("--max_epochs", "3", "--network_def#channels", "[8,16,32]", "--meta_file", "m.json"))
+    check_override_ids(["/usr/bin/pytest", "--max_epoch", "3"])
+
+
+def test_override_ids_of_merged_configs_and_args_file(tmp_path):
+    files = str([str(CONFIGS / "train.yaml"), str(CONFIGS / "inference.yaml")])
+    check_override_ids([BUNDLE_MAIN, "run", "--config_file", files, "--tea_inference", "none"])
+    with pytest.raises(PreflightError, match="--tea_inference"):
+        check_override_ids(_argv("--tea_inference", "none"))  # an id of inference.yaml only
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"config_file": str(CONFIGS / "train.yaml"), "max_epochz": 2}))
+    with pytest.raises(PreflightError, match=r"--max_epochz \(did you mean --max_epochs\?\)"):
+        check_override_ids([BUNDLE_MAIN, "run", "--args_file", str(args)])
+
+
+def test_under_the_bundle_command_line_a_failed_check_exits_with_its_message(monkeypatch):
+    monkeypatch.setattr(sys, "argv", _argv("--tea_z", "100"))
+    with pytest.raises(SystemExit, match=r"^error: bad settings:\n  --tea_z 100: must be an integer in 1\.\.84"):
+        check_settings(tea_z=100)
+
+
+# ----------------------------------------------------------------------------------------------- output folder
+def _a_run(folder: Path, max_epochs: int = 2, epoch_length: int = 3) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    trainer = {"iteration": 6, "epoch_length": epoch_length, "max_epochs": max_epochs}
+    save_checkpoint_atomic(folder / "resume.pt", {"trainer": trainer, "network": torch.nn.Linear(1, 1)})
+    save_checkpoint_atomic(folder / "checkpoint_final_iteration=6.pt", {"network": torch.nn.Linear(1, 1)})
+    (folder / "policy_history.jsonl").write_text('{"epoch": 1}\n')
+    (folder / "tensorboard").mkdir()
+    (folder / "tensorboard" / "events").write_text("x")
+
+
+def test_a_fresh_run_refuses_a_folder_holding_another_run(tmp_path):
+    check_output_dir(tmp_path / "new")  # a missing or empty folder is fine
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    check_output_dir(tmp_path / "other")  # files that are no run's are fine
+    run = tmp_path / "run"
+    _a_run(run)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    with pytest.raises(PreflightError, match=rf"{run} holds another run \(checkpoint_final_iteration=6\.pt, "
+                       r"policy_history\.jsonl, resume\.pt, tensorboard\): pass --resume true to continue it, "
+                       r"--overwrite true to replace it"):  # fmt: skip
+        check_output_dir(run, resume=False, overwrite="false")
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    with pytest.raises(PreflightError, match="contradict"):
+        check_output_dir(run, resume=True, overwrite=True)
+
+
+def test_overwrite_deletes_only_the_previous_runs_files(tmp_path):
+    _a_run(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    check_output_dir(tmp_path, overwrite="true")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_resume_needs_resume_pt_with_the_same_length(tmp_path):
+    with pytest.raises(PreflightError, match=r"--resume true but .*resume\.pt does not exist"):
+        check_output_dir(tmp_path, resume=True)
+    _a_run(tmp_path, max_epochs=2, epoch_length=3)
+    check_output_dir(tmp_path, resume=True, max_epochs=2, epoch_length=3)
+    with pytest.raises(PreflightError, match=r"cannot resume .*resume\.pt with --max_epochs 4: that run was saved "
+                       r"with max_epochs 2 \(after 6 iterations\)\. Resume continues a run exactly"):  # fmt: skip
+        check_output_dir(tmp_path, resume=True, max_epochs=4, epoch_length=3)
+    with pytest.raises(PreflightError, match=r"with --max_epochs 4, --epoch_length 5: that run was saved with "
+                       r"max_epochs 2, epoch_length 3"):  # fmt: skip
+        check_output_dir(tmp_path, resume=True, max_epochs=4, epoch_length=5)
+
+
+def test_resume_checkpoint_refuses_another_run_length(tmp_path):
+    """The engine-level guard (Python users of ResumeCheckpoint): ignite would silently keep the saved length."""
+    net = torch.nn.Linear(1, 1)
+    engine = Engine(lambda e, b: None)
+    ResumeCheckpoint(tmp_path, {"network": net}).attach(engine)
+    engine.run(range(2), max_epochs=1)
+    resumed = Engine(lambda e, b: None)
+    ResumeCheckpoint(tmp_path, {"network": net}, resume=True).attach(resumed)
+    with pytest.raises(ValueError, match=r"cannot resume .*resume\.pt with --max_epochs 3: that run was saved with "
+                       r"max_epochs 1"):  # fmt: skip
+        resumed.run(range(2), max_epochs=3)
+
+
+# ----------------------------------------------------------------------------------------------- data
+def _nifti(path: Path, shape=(8, 8, 8), affine=None, dtype=np.float32) -> str:
+    nib.save(nib.Nifti1Image(np.zeros(shape, dtype), np.eye(4) if affine is None else affine), str(path))
+    return str(path)
+
+
+def test_every_bad_case_of_every_split_is_listed(tmp_path):
+    good = {"image": _nifti(tmp_path / "i.nii.gz"), "label": _nifti(tmp_path / "l.nii.gz", dtype=np.uint8)}
+    flipped = np.diag([-1.0, 1.0, 1.0, 1.0])
+    splits = {
+        "training": [good, {"image": good["image"], "label": str(tmp_path / "missing.nii.gz")}],
+        "validation": [{"image": good["image"], "label": _nifti(tmp_path / "f.nii.gz", affine=flipped)}],
+        "test": [{"image": _nifti(tmp_path / "s.nii.gz", (8, 8, 7)), "label": good["label"]},
+                 {"image": _nifti(tmp_path / "2d.nii.gz", (8, 8)), "label": good["label"]},
+                 {"image": good["image"]}],
+    }  # fmt: skip
+    with pytest.raises(PreflightError) as err:
+        check_data(splits)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "5 problem(s) in the data, found before training:"
+    assert lines[1] == f"  training: case {good['image']}: label file {tmp_path / 'missing.nii.gz'} does not exist"
+    assert lines[2].startswith(f"  validation: case {good['image']}: image and label affines differ")
+    assert lines[3] == f"  test: case {tmp_path / 's.nii.gz'}: image shape (8, 8, 7) and label shape (8, 8, 8) differ"
+    assert lines[4] == f"  test: case {tmp_path / '2d.nii.gz'}: image is 2D (spatial shape (8, 8)), 3D is needed"
+    assert lines[5] == f"  test: case {good['image']}: no 'label' entry"
+    check_data({"training": [good], "test": [good]})
+    check_data({"input": [{"image": good["image"]}]}, require=["image"])
+
+
+def test_empty_splits(tmp_path):
+    good = {"image": _nifti(tmp_path / "i.nii.gz"), "label": _nifti(tmp_path / "l.nii.gz")}
+    with pytest.raises(PreflightError, match=r"split 'test' is empty: nothing to use"):
+        check_data({"training": [good], "validation": [good], "test": []})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # heuristic TRA + no TEA need no validation data at all: no warning
+        check_data({"training": [good], "validation": [], "test": [good]}, "heuristic", "none")
+    for tra, tea in (("class-specific", "joint"), ("none", "learned-posthoc"), ("learned", "none")):
+        with pytest.warns(UserWarning, match="the validation split is empty: every policy update .* is skipped"):
+            check_data({"training": [good], "validation": [], "test": [good]}, tra, tea)
+
+
+# ----------------------------------------------------------------------------------------------- patch size
+def test_patch_size_the_network_cannot_take_is_refused_with_one_that_fits():
+    unet = UNet(3, 1, 2, channels=(4, 8, 16), strides=(2, 2), num_res_units=1, norm="instance").train()
+    check_patch_size(unet, [32, 32, 32])
+    with pytest.raises(PreflightError, match=re.escape("--patch_size 7 does not fit the UNet (logits [8, 8, 8] for "
+                                                       "a patch of [7, 7, 7]); e.g. [8, 8, 8] fits")):  # fmt: skip
+        check_patch_size(unet, 7)
+    with pytest.raises(PreflightError, match=r"--patch_size \[30, 32, 32\] does not fit the UNet \(RuntimeError: "):
+        check_patch_size(unet, [30, 32, 32])
+    with pytest.raises(PreflightError, match=r"--patch_size 'big': must be a list of positive integers"):
+        check_patch_size(unet, "big")
+    with pytest.raises(PreflightError, match=r"network is 'unet3d', not a network module"):
+        check_patch_size("unet3d", [32, 32, 32])  # a name where the built network belongs
+    assert unet.training  # the network's mode is left as it was (the check runs it in eval mode)
+    deepmedic = make_network("deepmedic", 1, 2, [21, 21, 21], feature_maps=[2] * 8, fc_feature_maps=[2, 2])
+    check_patch_size(deepmedic, [21, 21, 21], sizes=get_network("deepmedic").sizes)  # logits cover its output region
+    with pytest.raises(PreflightError, match=r"does not fit the DeepMedic \(ValueError: input size \(21, 21, 21\)"):
+        check_patch_size(deepmedic, [21, 21, 21])  # without its sizes: the logits must cover the whole input
+    dynunet = make_network("unet3d", 1, 2, [32, 32, 32])  # its deep-supervision heads share encoder modules
+    check_patch_size(dynunet, [32, 32, 32])
+    with pytest.raises(PreflightError, match=r"--patch_size \[36, 32, 32\] does not fit the NnUNetDynUNet"):
+        check_patch_size(dynunet, [36, 32, 32])
+    for net in (unet, deepmedic, dynunet):  # the networks themselves are untouched (nothing on the meta device)
+        assert all(t.device.type == "cpu" for t in [*net.parameters(), *net.buffers()])
+        assert all(t.device.type == "cpu" for t in net.state_dict().values())
