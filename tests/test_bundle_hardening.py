@@ -1,0 +1,223 @@
+"""Issue 12 reproduced on the bundles, as a user runs them (``B`` = the synthetic bundle on a small dataset).
+
+Checks that fail before the first iteration run in this process (``ConfigWorkflow.initialize``, with the command
+line the bundle would see); runs that train or must show their exit status run as ``python -m monai.bundle run``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from monai.bundle import ConfigWorkflow
+
+from helpers import CONFIGS, small_dataset
+from jcsaug.engine import nonfinite_entries, read_checkpoint, save_checkpoint_atomic
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+BUNDLES = CONFIGS.parents[1]
+BUNDLE_MAIN = str(Path(sys.modules["monai"].__file__).parent / "bundle" / "__main__.py")
+#: the issue's B: small and fast, on small_dataset's 32³ volumes
+B = {"max_epochs": 1, "epoch_length": 1, "num_workers": 0, "patch_size": [24, 24, 24], "num_tea_copies": 2}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hardening")
+    small_dataset(root)
+    return root / "data"
+
+
+def _copy(dataset: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(dataset, tmp_path / "data"))
+
+
+def _workflow(monkeypatch, tmp_path: Path, data: Path, bundle: str = "synthetic_lesion", **overrides):
+    """The bundle's workflow as ``python -m monai.bundle run`` builds it, before ``initialize`` (values as fire parses
+    them, the command line as the process would see it)."""
+    configs = BUNDLES / bundle / "configs"
+    settings = {**B, "dataset_dir": str(data), "output_dir": str(tmp_path / "run"), **overrides}
+    argv = [BUNDLE_MAIN, "run", "--config_file", str(configs / "train.yaml")]
+    for key, value in settings.items():
+        argv += [f"--{key}", str(value).replace(" ", "")]
+    monkeypatch.setattr(sys, "argv", argv)
+    return ConfigWorkflow(config_file=str(configs / "train.yaml"), meta_file=str(configs / "metadata.json"),
+                          logging_file=False, **settings)  # fmt: skip
+
+
+def _refused(monkeypatch, tmp_path, data, bundle="synthetic_lesion", **overrides) -> str:
+    workflow = _workflow(monkeypatch, tmp_path, data, bundle, **overrides)
+    with pytest.raises(SystemExit) as err:
+        workflow.initialize()
+    return str(err.value)
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _cli(tmp_path: Path, data: Path, **overrides) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(CONFIGS / "train.yaml"),
+            "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf")]  # fmt: skip
+    for key, value in {**B, "dataset_dir": data, "output_dir": tmp_path / "run", **overrides}.items():
+        args += [f"--{key}", str(value).replace(" ", "")]
+    return subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+
+
+# ----------------------------------------------------------------------------------------------- item 1
+def test_1_corrupt_datalist_is_an_error_and_the_cases_survive(monkeypatch, tmp_path, dataset):
+    data = _copy(dataset, tmp_path)
+    (data / "dataset.json").write_text("")  # `: > D/dataset.json`
+    before = _files(data)
+    workflow = _workflow(monkeypatch, tmp_path, data)
+    with pytest.raises(RuntimeError) as err:
+        workflow.initialize()
+    chain = []
+    e: BaseException | None = err.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__
+    assert any(f"cannot read the datalist {data / 'dataset.json'}" in m for m in chain), chain
+    assert _files(data) == before
+
+
+# ----------------------------------------------------------------------------------------------- item 2
+def test_2_a_diverged_run_exits_non_zero_and_saves_no_nan(tmp_path, dataset):
+    result = _cli(tmp_path, dataset, learning_rate=1e12, max_epochs=3, epoch_length=3)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "TrainingDiverged: training diverged: the loss is nan at epoch " in result.stderr
+    run = tmp_path / "run"
+    for path in run.glob("*.pt"):
+        assert not nonfinite_entries(read_checkpoint(path)), path
+    assert not (run / "metrics.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------- items 3 and 4
+def _previous_run(run: Path) -> None:
+    """What a finished `B --max_epochs 1 --epoch_length 2` leaves (checkpoint contents do not matter here)."""
+    trainer = {"iteration": 2, "epoch_length": 2, "max_epochs": 1}
+    save_checkpoint_atomic(run / "resume.pt", {"trainer": trainer, "network": torch.nn.Linear(1, 1)})
+    save_checkpoint_atomic(run / "checkpoint_final_iteration=2.pt", {"network": torch.nn.Linear(1, 1)})
+    (run / "policy_history.jsonl").write_text('{"epoch": 1, "iteration": 2, "probabilities": {}}\n')
+    (run / "metrics.json").write_text("{}")
+
+
+def test_3_a_fresh_run_into_a_folder_holding_a_run_is_refused(monkeypatch, tmp_path, dataset):
+    run = tmp_path / "run"
+    _previous_run(run)
+    before = _files(run)
+    message = _refused(monkeypatch, tmp_path, dataset, epoch_length=2)
+    assert message.startswith(f"error: {run} holds another run (checkpoint_final_iteration=2.pt, metrics.json, ")
+    assert "pass --resume true to continue it, --overwrite true to replace it" in message
+    assert _files(run) == before
+    _workflow(monkeypatch, tmp_path, dataset, epoch_length=2, resume=True).initialize()  # resume: accepted
+    assert _files(run) == before
+    _workflow(monkeypatch, tmp_path, dataset, epoch_length=2, overwrite=True).initialize()  # replace: the old goes
+    assert not any(run.iterdir())
+
+
+def test_4_resume_with_a_larger_max_epochs_is_refused(monkeypatch, tmp_path, dataset):
+    run = tmp_path / "run"
+    _previous_run(run)
+    message = _refused(monkeypatch, tmp_path, dataset, epoch_length=2, max_epochs=6, resume=True)
+    assert message.startswith(f"error: cannot resume {run / 'resume.pt'} with --max_epochs 6: that run was saved "
+                              "with max_epochs 1")  # fmt: skip
+    assert "start a longer run in another --output_dir" in message
+
+
+# ----------------------------------------------------------------------------------------------- items 5 and 6
+def _edit_label(data: Path, split: str, edit) -> Path:
+    entry = json.loads((data / "dataset.json").read_text())[split][0]
+    path = data / entry["label"]
+    label = nib.load(str(path))
+    array, affine = edit(np.asarray(label.dataobj).copy(), label.affine.copy())
+    nib.save(nib.Nifti1Image(array, affine), str(path))
+    return path
+
+
+def test_5_a_label_with_another_affine_is_named_before_training(monkeypatch, tmp_path, dataset):
+    data = _copy(dataset, tmp_path)
+    label = _edit_label(data, "training", lambda a, aff: (a, np.diag([2.0, 2.0, 2.0, 1.0])))  # saved at 2 mm
+    message = _refused(monkeypatch, tmp_path, data)
+    assert message.startswith("error: 1 problem(s) in the data, found before training:\n  training: case ")
+    assert "image and label affines differ (tolerance 0.001 mm)" in message and "case_000.nii.gz" in message
+    assert not (tmp_path / "run").exists(), label
+
+
+@pytest.mark.parametrize(("value", "dtype", "found"), [(7, np.uint8, "[7]"), (256, np.int16, "[256]")])
+def test_6_bad_label_values_name_the_case_before_training(monkeypatch, tmp_path, dataset, value, dtype, found):
+    data = _copy(dataset, tmp_path)
+
+    def bad(array, affine):
+        array = array.astype(dtype)
+        array[0, 0, 0] = value
+        return array, affine
+
+    label = _edit_label(data, "training", bad)
+    workflow = _workflow(monkeypatch, tmp_path, data)
+    workflow.initialize()  # headers are fine; the values are checked when the cases are cached
+    with pytest.raises(RuntimeError) as err:
+        workflow.run()
+    text = []
+    e: BaseException | None = err.value
+    while e is not None:
+        text.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any(f"(with {label}): label values {found} are not classes 0..1 (num_classes 2)" in t for t in text), text
+    assert not list((tmp_path / "run").glob("*.pt"))
+
+
+# ----------------------------------------------------------------------------------------------- items 7, 8 and 9
+def test_8_an_empty_validation_split_trains_with_skipped_updates(monkeypatch, tmp_path, dataset):
+    data = _copy(dataset, tmp_path)
+    datalist = json.loads((data / "dataset.json").read_text())
+    datalist["validation"] = []
+    (data / "dataset.json").write_text(json.dumps(datalist))
+    workflow = _workflow(monkeypatch, tmp_path, data, epoch_length=2, tra_update_every=1, tea_update_every=1,
+                         evaluate="$None")  # fmt: skip
+    with pytest.warns(UserWarning, match="the validation split is empty: every policy update"):
+        workflow.initialize()
+    with pytest.warns(UserWarning, match="update skipped: the validation loader is empty"):
+        workflow.run()
+    updaters = workflow.parser.get_parsed_content("policy_updaters")
+    assert [u.skipped for u in updaters] == [2, 2]
+    assert (tmp_path / "run" / "checkpoint_final_iteration=2.pt").is_file()
+
+
+@pytest.mark.parametrize(
+    ("bundle", "overrides", "expected"),
+    [
+        ("synthetic_lesion", {"max_epoch": 3}, "error: unknown override id(s) --max_epoch (did you mean --max_epochs"),
+        ("synthetic_lesion", {"patch_size": 7}, "error: --patch_size 7 does not fit the UNet (logits [8, 8, 8] for a "
+                                                "patch of [7, 7, 7]); e.g. [8, 8, 8] fits"),
+        ("synthetic_lesion", {"tea_z": 100, "network": "nonsense"},
+         "error: bad settings:\n  --network 'nonsense': must be one of deepmedic, transformer, unet3d\n"
+         "  --tea_z 100: must be an integer in 1..84"),
+        ("kits19_tumor", {"network": "nonsense"}, "error: bad settings:\n  --network 'nonsense': must be one of "),
+    ],
+)  # fmt: skip
+def test_9_bad_settings_and_ids_fail_first_with_the_valid_ones(monkeypatch, tmp_path, dataset, bundle, overrides,
+                                                               expected):  # fmt: skip
+    data = dataset if bundle == "synthetic_lesion" else tmp_path / "not_prepared"  # settings come before data
+    assert _refused(monkeypatch, tmp_path, data, bundle, **overrides).startswith(expected)
+    assert not (tmp_path / "run").exists()
+
+
+def test_7_a_missing_test_split_fails_before_training(monkeypatch, tmp_path, prepared):
+    workflow = _workflow(monkeypatch, tmp_path, prepared["kits19_tumor"][1], "kits19_tumor", test_split="nosuch",
+                         network="unet3d", patch_size=[32, 32, 32])  # fmt: skip
+    with pytest.raises(RuntimeError) as err:
+        workflow.initialize()
+    cause = err.value
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    assert "has no split 'nosuch'" in str(cause) and "'test'" in str(cause)
+    assert not (tmp_path / "run").exists()
