@@ -47,6 +47,6 @@ class StopOnNonFiniteLoss(TerminateOnNan):
             loss = self._output_transform(engine.state.output)
             raise TrainingDiverged(
                 f"training diverged: the loss is {loss} at epoch {engine.state.epoch}, iteration "
-                f"{engine.state.iteration} (try a lower learning_rate); this state is not saved, the checkpoints of earlier epochs "
-                "are kept"
+                f"{engine.state.iteration} (try a lower learning_rate); this state is not saved, the checkpoints of "
+                "earlier epochs are kept"
             )
