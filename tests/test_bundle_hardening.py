@@ -60,6 +60,15 @@ def _refused(monkeypatch, tmp_path, data, bundle="synthetic_lesion", **overrides
     return str(err.value)
 
 
+def _messages(err: BaseException) -> list[str]:
+    """The messages of an error and of the errors it came from (MONAI wraps config errors in RuntimeErrors)."""
+    messages = []
+    while err is not None:
+        messages.append(str(err))
+        err = err.__cause__ or err.__context__
+    return messages
+
+
 def _files(folder: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -80,11 +89,7 @@ def test_1_corrupt_datalist_is_an_error_and_the_cases_survive(monkeypatch, tmp_p
     workflow = _workflow(monkeypatch, tmp_path, data)
     with pytest.raises(RuntimeError) as err:
         workflow.initialize()
-    chain = []
-    e: BaseException | None = err.value
-    while e is not None:
-        chain.append(str(e))
-        e = e.__cause__
+    chain = _messages(err.value)
     assert any(f"cannot read the datalist {data / 'dataset.json'}" in m for m in chain), chain
     assert _files(data) == before
 
@@ -166,11 +171,7 @@ def test_6_bad_label_values_name_the_case_before_training(monkeypatch, tmp_path,
     workflow.initialize()  # headers are fine; the values are checked when the cases are cached
     with pytest.raises(RuntimeError) as err:
         workflow.run()
-    text = []
-    e: BaseException | None = err.value
-    while e is not None:
-        text.append(str(e))
-        e = e.__cause__ or e.__context__
+    text = _messages(err.value)
     assert any(f"(with {label}): label values {found} are not classes 0..1 (num_classes 2)" in t for t in text), text
     assert not list((tmp_path / "run").glob("*.pt"))
 
@@ -216,8 +217,6 @@ def test_7_a_missing_test_split_fails_before_training(monkeypatch, tmp_path, pre
                          network="unet3d", patch_size=[32, 32, 32])  # fmt: skip
     with pytest.raises(RuntimeError) as err:
         workflow.initialize()
-    cause = err.value
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
-    assert "has no split 'nosuch'" in str(cause) and "'test'" in str(cause)
+    cause = _messages(err.value)[-1]
+    assert "has no split 'nosuch'" in cause and "'test'" in cause
     assert not (tmp_path / "run").exists()
