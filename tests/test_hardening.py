@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from monai.data import MetaTensor
-from monai.transforms import Compose
+from monai.transforms import Compose, Lambda
 
 from jcsaug.data import CheckFinited, CheckImageLabeld, SafeLoadImaged
 from jcsaug.ops.tra import TRA_SERIES, apply_tra, sample_tra_params
@@ -427,3 +427,58 @@ def test_check_image_label_accepts_exactly_consistent_pairs(shape, channels, val
     else:
         with pytest.raises(ValueError, match=r"^case img\.nii\.gz \(with lbl\.nii\.gz\): "):
             CheckImageLabeld(num_classes=3)(data)
+
+
+# ------------------------------------------------------------------------- a failing case exits 1 (issue 12 15)
+
+_FAILING_CACHE = """
+import sys, time, torch
+from monai.transforms import Compose, Lambda
+from jcsaug.data import CacheDataset
+
+def load(x):
+    if x == 0:
+        raise ValueError("bad case 0")
+    a, end = torch.randn(200, 200), time.monotonic() + 2.0
+    while time.monotonic() < end and not sys.is_finalizing():  # the next case is busy in torch ops (GIL released)
+        a = torch.tanh(a @ a.T / 200)
+    return x
+
+torch.set_num_threads(1)
+CacheDataset(list(range(4)), Compose([Lambda(load)]), num_workers=int(sys.argv[1]), progress=False)
+"""
+
+
+@pytest.mark.parametrize("workers", [1])
+def test_a_failing_case_while_caching_exits_1_not_134(tmp_path, workers):
+    """MONAI's CacheDataset leaves its ThreadPool by terminate() without joining: a thread still transforming the next
+    case takes the GIL back during interpreter shutdown and the process aborts ("terminate called without an active
+    exception", exit 134; almost every time with this busy next case). jcsaug's joins its threads first."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "failing_cache.py"
+    script.write_text(_FAILING_CACHE)
+    result = subprocess.run([sys.executable, str(script), str(workers)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "ValueError: bad case 0" in result.stderr and "terminate called" not in result.stderr
+
+
+def test_no_caching_thread_outlives_a_failing_cache():
+    import threading
+
+    from jcsaug.data import CacheDataset
+
+    def load(x):
+        if x == 1:
+            raise ValueError("bad case 1")
+        return x
+
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="applying transform") as err:
+        CacheDataset(list(range(50)), Compose([Lambda(load)]), num_workers=3, progress=False)
+    assert str(err.value.__cause__) == "bad case 1"
+    assert set(threading.enumerate()) == before
+    assert list(CacheDataset(list(range(5)), Compose([Lambda(lambda x: x * 2)]), num_workers=2, progress=False)) == [
+        0, 2, 4, 6, 8
+    ]  # fmt: skip

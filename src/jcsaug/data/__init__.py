@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from jcsaug.data.cache import CacheDataset
 from jcsaug.data.checks import CheckFinited, CheckImageLabeld, SafeLoadImaged
 from jcsaug.data.normalise import intensity_normalisation
 from jcsaug.data.synthetic import make_synthetic_dataset, synthetic_datalist
 
 __all__ = [
+    "CacheDataset",
     "CheckFinited",
     "CheckImageLabeld",
     "SafeLoadImaged",
