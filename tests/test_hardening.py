@@ -482,3 +482,33 @@ def test_no_caching_thread_outlives_a_failing_cache():
     assert list(CacheDataset(list(range(5)), Compose([Lambda(lambda x: x * 2)]), num_workers=2, progress=False)) == [
         0, 2, 4, 6, 8
     ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- policy logits (issue 12 item 10)
+
+
+@FAST
+@given(st.data())
+def test_policy_logits_load_iff_finite_float32_numbers(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("logits") / "policies.json"
+    save_policies(path, tra=make_tra_policy("nnunet", num_groups=2))
+    doc = json.loads(path.read_text())
+    value = data.draw(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**40), 10**40),
+                                st.booleans(), st.none(), st.text(max_size=3)))  # fmt: skip
+    g, s = data.draw(st.integers(0, 1)), data.draw(st.integers(0, 14))
+    op = data.draw(st.integers(0, len(doc["tra"]["groups"][g]["series"][s]["ops"]) - 1))
+    doc["tra"]["groups"][g]["series"][s]["ops"][op]["logit"] = value
+    path.write_text(json.dumps(doc))
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and np.isfinite(float(value))
+        and abs(float(value)) <= np.finfo(np.float32).max
+    )
+    if ok:
+        tra, _ = load_policies(path)
+        assert torch.isfinite(tra.logits).all()
+    else:
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: ") as err:
+            load_policies(path)
+        assert "\n" not in str(err.value)
