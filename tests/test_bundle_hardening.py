@@ -16,10 +16,11 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from monai.bundle import ConfigWorkflow
+from monai.bundle import ConfigParser, ConfigWorkflow
 
 from helpers import CONFIGS, small_dataset
 from jcsaug.engine import nonfinite_entries, read_checkpoint, save_checkpoint_atomic
+from jcsaug.engine.preflight import PreflightError, check_override_ids
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -199,9 +200,10 @@ def test_8_an_empty_validation_split_trains_with_skipped_updates(monkeypatch, tm
         ("synthetic_lesion", {"max_epoch": 3}, "error: unknown override id(s) --max_epoch (did you mean --max_epochs"),
         ("synthetic_lesion", {"patch_size": 7}, "error: --patch_size 7 does not fit the UNet (logits [8, 8, 8] for a "
                                                 "patch of [7, 7, 7]); e.g. [8, 8, 8] fits"),
-        ("synthetic_lesion", {"tea_z": 100, "network": "nonsense"},
-         "error: bad settings:\n  --network 'nonsense': must be one of deepmedic, transformer, unet3d\n"
-         "  --tea_z 100: must be an integer in 1..84"),
+        ("synthetic_lesion", {"tea_z": 100, "max_epochs": 0},
+         "error: bad settings:\n  --tea_z 100: must be an integer in 1..84 (the TEA catalogue has 84 ops)\n"
+         "  --max_epochs 0: must be an integer >= 1"),
+        ("synthetic_lesion", {"network": "unet3d"}, "error: unknown override id(s) --network (did you mean "),
         ("kits19_tumor", {"network": "nonsense"}, "error: bad settings:\n  --network 'nonsense': must be one of "),
     ],
 )  # fmt: skip
@@ -220,3 +222,54 @@ def test_7_a_missing_test_split_fails_before_training(monkeypatch, tmp_path, pre
     cause = _messages(err.value)[-1]
     assert "has no split 'nosuch'" in cause and "'test'" in cause
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------- every bundle
+ALL_BUNDLES = sorted(p.parents[1].name for p in BUNDLES.glob("*/configs/metadata.json"))
+
+
+@pytest.mark.parametrize("bundle", ALL_BUNDLES)
+@pytest.mark.parametrize("extra", ["", "evaluate.yaml", "inference.yaml", "multi_gpu_train.yaml"])
+def test_every_bundle_runs_the_checks_and_guards(bundle, extra):
+    """The hardening is wired into every bundle and merged config (the six dataset bundles share _common/configs):
+    preflight in initialize, CheckImageLabeld right after loading, StopOnNonFiniteLoss first among the train
+    handlers, jcsaug's CacheDataset, empty-validation-safe loader, and the overwrite setting."""
+    configs = BUNDLES / bundle / "configs"
+    files = [str(configs / "train.yaml")] + ([str(configs / extra)] if extra else [])
+    config = ConfigParser.load_config_files(files)
+    assert "$@preflight" in config["initialize"]
+    assert config["preflight"][-1] == "$@check_output_dir"  # last: --overwrite deletes only after the other checks
+    assert {"$@check_settings", "$@check_data", "$@check_patch_size"} <= set(config["preflight"])
+    targets = [t.get("_target_") for t in config["load_transforms"] if isinstance(t, dict)]
+    assert targets.index("jcsaug.data.CheckImageLabeld") == targets.index("EnsureChannelFirstd") + 1
+    assert config["train_handlers"][0]["_target_"] == "jcsaug.engine.StopOnNonFiniteLoss"
+    assert config["train_dataset"]["_target_"] == config["val_dataset"]["_target_"] == "jcsaug.data.CacheDataset"
+    assert config["val_loader"]["shuffle"] == "$len(@val_files) > 0"
+    assert config["overwrite"] is False and config["resume"] is False
+    if extra in ("evaluate.yaml", "inference.yaml"):  # the run's folder is read, not written
+        assert config["check_output_dir"] == "$None" and "'training'" not in config["check_data"]
+    # every id of the merged configs is a valid override (issue 10's and 13's settings included); --meta_file too
+    argv = [BUNDLE_MAIN, "run", "--config_file", str(files) if extra else files[0], "--meta_file", "m.json"]
+    for key in config:
+        argv += [f"--{key}", "1"]
+    check_override_ids(argv)
+    with pytest.raises(PreflightError, match=r"unknown override id\(s\) --max_epoch "):
+        check_override_ids([*argv, "--max_epoch", "3"])
+
+
+@pytest.mark.parametrize(
+    ("bundle", "ids"),
+    [
+        ("synthetic_lesion", ["tra_estimator", "tea_estimator", "tra_counterfactuals", "tra_logit_budget",
+                              "tea_logit_budget", "val_batches", "val_average", "tea_patches", "tra_policy",
+                              "augment_on", "network_def#channels", "overwrite"]),
+        ("kits19_tumor", ["network", "network_kwargs", "tra_policy", "augment_on", "test_split", "cache_rate",
+                          "overwrite", "train_fraction"]),
+    ],
+)  # fmt: skip
+def test_the_settings_of_issues_10_and_13_are_known_override_ids(bundle, ids):
+    configs = BUNDLES / bundle / "configs"
+    argv = [BUNDLE_MAIN, "run", "--config_file", str(configs / "train.yaml")]
+    for key in ids:
+        argv += [f"--{key}", "1"]
+    check_override_ids(argv)

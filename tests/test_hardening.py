@@ -503,7 +503,7 @@ def test_policy_logits_load_iff_finite_float32_numbers(tmp_path_factory, data):
         isinstance(value, (int, float))
         and not isinstance(value, bool)
         and np.isfinite(float(value))
-        and abs(float(value)) <= np.finfo(np.float32).max
+        and abs(float(value)) <= float(np.finfo(np.float32).max)
     )
     if ok:
         tra, _ = load_policies(path)

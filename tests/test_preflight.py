@@ -39,7 +39,8 @@ def _argv(*args: str) -> list[str]:
 def test_bad_settings_are_listed_together_with_the_valid_values():
     with pytest.raises(PreflightError) as err:
         check_settings(argv=[], network="nonsense", tea_z=100, tra_mode="nope", tea_mode="joint", max_epochs=0,
-                       learning_rate=float("nan"), resume="maybe", patch_size=[32, 0, 32], other=object())  # fmt: skip
+                       learning_rate=float("nan"), resume="maybe", patch_size=[32, 0, 32], other=object(),
+                       augment_on="gpu", hypergradient="exact")  # fmt: skip
     message = str(err.value)
     assert message.splitlines()[0] == "bad settings:"
     for expected in (
@@ -51,6 +52,8 @@ def test_bad_settings_are_listed_together_with_the_valid_values():
         "--learning_rate nan: must be a finite number > 0",
         "--resume 'maybe': must be true or false",
         "--patch_size [32, 0, 32]: must be a list of positive integers",
+        "--augment_on 'gpu': must be one of auto, worker, device",
+        "--hypergradient 'exact': must be one of finite-difference, jvp",
     ):
         assert expected in message, expected
     assert "tea_mode" not in message and "other" not in message

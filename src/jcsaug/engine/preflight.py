@@ -168,6 +168,8 @@ def _patch_size(value: Any) -> str | None:
 
 
 def _validators() -> dict[str, Any]:
+    from jcsaug.engine.device_augmentation import AUGMENT_ON
+    from jcsaug.engine.hypergradient import HYPERGRADIENTS
     from jcsaug.engine.modes import TEA_MODES, TRA_MODES
 
     positive = ("max_epochs", "epoch_length", "tra_update_every", "tea_update_every", "num_tea_copies",
@@ -181,6 +183,8 @@ def _validators() -> dict[str, Any]:
         **dict.fromkeys(("resume", "overwrite", "train_on_val", "keep_largest_component"), _flag),
         "tra_mode": _one_of(TRA_MODES),
         "tea_mode": _one_of(TEA_MODES),
+        "augment_on": _one_of(AUGMENT_ON),
+        "hypergradient": _one_of(HYPERGRADIENTS),
         "network": _network,
         "tea_z": _tea_z,
         "patch_size": _patch_size,
