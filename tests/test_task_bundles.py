@@ -154,6 +154,17 @@ def test_every_merged_config_parses_with_the_task_facts(task):
             assert "run" in parser and parser.get_parsed_content("dataset_dir") == f"data/{task}"
 
 
+def test_paper_bundles_learn_with_the_paired_estimators_and_the_papers_budgets():
+    """Issue 10: the estimators the synthetic benchmark chose, with the paper's beta and gamma (no logit budget)."""
+    parser = _parser("kits19_tumor", network="deepmedic")
+    parser.parse()
+    setup = parser.get_parsed_content("augmentation")
+    assert (setup.tra_estimator, setup.tea_estimator, setup.counterfactuals) == ("paired", "paired", 2)
+    assert parser.get_parsed_content("tra_logit_budget") is None and parser.get_parsed_content("tea_logit_budget") is None
+    for cascade in ("tra_cascade", "device_augmentation#transform"):
+        assert parser.get_parsed_content(cascade).counterfactuals == 2, cascade
+
+
 def test_no_config_or_module_asks_which_network_it_has():
     """Per-network defaults live in the network registry: no branch on a network's name in the YAML or the code."""
     root = BUNDLES.parent
