@@ -339,3 +339,13 @@ def test_batched_cascade_makes_the_same_kind_of_counterfactuals():
             assert (op == 0) == (int(out["tra_ops"][i, series]) != 0)
     plain = BatchTRACascaded("image", policy, label_keys="label").set_random_state(5)(batch)
     assert torch.equal(plain["tra_ops"], out["tra_ops"]) and torch.equal(plain["image"], out["image"])
+
+
+def test_unknown_estimators_and_missing_copies_are_refused_by_name():
+    with pytest.raises(KeyError, match=r"unknown TRA estimator 'pairs'; valid names: gumbel, paired"):
+        AugmentationSetup("class-specific", "joint", tra_estimator="pairs")
+    with pytest.raises(KeyError, match=r"unknown TEA estimator 'gumble'; valid names: gumbel, paired"):
+        AugmentationSetup("class-specific", "joint", tea_estimator="gumble")
+    with pytest.raises(ValueError, match=r"tra_counterfactuals=0: the paired TRA estimator needs at least 1"):
+        AugmentationSetup("class-specific", "joint", tra_estimator="paired", tra_counterfactuals=0)
+    assert AugmentationSetup("heuristic", "joint", tra_estimator="paired", tra_counterfactuals=0).counterfactuals == 0

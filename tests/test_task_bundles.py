@@ -160,7 +160,7 @@ def test_paper_bundles_learn_with_the_paired_estimators_and_the_papers_budgets()
     parser.parse()
     setup = parser.get_parsed_content("augmentation")
     assert (setup.tra_estimator, setup.tea_estimator, setup.counterfactuals) == ("paired", "paired", 2)
-    assert parser.get_parsed_content("tra_logit_budget") is None and parser.get_parsed_content("tea_logit_budget") is None
+    assert [parser.get_parsed_content(f"{p}_logit_budget") for p in ("tra", "tea")] == [None, None]
     for cascade in ("tra_cascade", "device_augmentation#transform"):
         assert parser.get_parsed_content(cascade).counterfactuals == 2, cascade
 

@@ -29,8 +29,8 @@ from ignite.engine import Engine
 from torch import nn
 
 from jcsaug.engine.posthoc import learn_tea_posthoc
-from jcsaug.engine.tea_updater import TEAPolicyUpdater
-from jcsaug.engine.tra_updater import TRAPolicyUpdater
+from jcsaug.engine.tea_updater import TEA_ESTIMATORS, TEAPolicyUpdater
+from jcsaug.engine.tra_updater import TRA_ESTIMATORS, TRAPolicyUpdater
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
 from jcsaug.policy.io import load_policies
@@ -187,8 +187,11 @@ class AugmentationSetup:
     ) -> None:
         self.tra, self.tea = get_tra_mode(tra_mode), get_tea_mode(tea_mode)
         self.tra_mode, self.tea_mode = self.tra.name, self.tea.name
-        self.tra_estimator, self.tea_estimator = tra_estimator, tea_estimator
+        # unknown names: an error listing the valid ones, before anything is built
+        self.tra_estimator, self.tea_estimator = TRA_ESTIMATORS.key(tra_estimator), TEA_ESTIMATORS.key(tea_estimator)
         self.tra_counterfactuals = int(tra_counterfactuals)
+        if self.tra_estimator == "paired" and self.tra.learned and self.tra_counterfactuals < 1:
+            raise ValueError(f"tra_counterfactuals={tra_counterfactuals}: the paired TRA estimator needs at least 1")
         if self.tra.from_file:
             self.tra_policy = self._policy_from_file(tra_policy_file)
         else:
