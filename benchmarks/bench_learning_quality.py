@@ -1,7 +1,7 @@
 """Learning quality: does the learned augmentation beat the heuristic one, and does it find what undoes the shift?
 
-Command (from the repository root; one default-bundle run is 4-6 min on 2 quiet CPU cores, about 1 min on a
-GPU, and the defaults make 3 modes x 3 seeds = 9 runs)::
+Command (from the repository root; one default-bundle run is about 2 min (heuristic) to 7 min (learned) on 2
+quiet CPU cores, about 1 min on a GPU, and the defaults make 3 modes x 3 seeds = 9 runs)::
 
     python benchmarks/bench_learning_quality.py
     # defaults: --modes heuristic+mirror class-specific+joint oracle+mirror --seeds 0 1 2 --shift default
