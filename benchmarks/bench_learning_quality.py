@@ -22,7 +22,9 @@ the mode's overrides, ``seed`` and ``--set`` overrides. The modes (:data:`MODES`
   ceiling);
 * ``paper``: class-specific + joint with the paper's estimators (Gumbel straight-through, policy-sampled TEA
   copies) and the bundle's former fixed learning rates;
-* ``learned+joint``: one TRA policy for all patches (not class-specific) + joint TEA.
+* ``learned+joint``: one TRA policy for all patches (not class-specific) + joint TEA;
+* ``class-specific+mirror``: class-specific TRA learned alone (TEA: mirroring TTA, not learned), which shows what
+  the TRA finds when no learned TEA undoes the shift on the validation batch.
 
 A run's ``metrics.json`` holds the test Dice without TTA (``none``) and with its TEA, so a ``class-specific+joint``
 run also gives *learned TRA without TTA* and a ``heuristic+mirror`` run *heuristic TRA without TTA*. Printed:
@@ -58,6 +60,7 @@ MODES: dict[str, dict[str, str]] = {
         "tra_logit_budget": "None", "tea_logit_budget": "None", "tra_lr": "0.02", "tea_lr": "0.01",
     },
     "learned+joint": {"tra_mode": "learned", "tea_mode": "joint"},
+    "class-specific+mirror": {"tra_mode": "class-specific", "tea_mode": "heuristic"},
 }  # fmt: skip
 BASELINE = "heuristic+mirror"
 
@@ -86,8 +89,11 @@ def prepare_dataset(out: Path, shift: str) -> tuple[Path, dict]:
     return data, json.loads(Path(json_path).read_text())["domain_shift"]
 
 
-def run_one(mode: str, seed: int, data: Path, run_dir: Path, overrides: dict, device: str, reuse: bool) -> dict:
-    """One bundle run (skipped when ``reuse`` and its metrics exist); returns its parsed results."""
+def run_one(
+    mode: str, seed: int, data: Path, run_dir: Path, overrides: dict, device: str, reuse: bool, threads: int
+) -> dict:
+    """One bundle run (skipped when ``reuse`` and its metrics exist) on ``threads`` CPU threads; returns its
+    parsed results."""
     metrics = run_dir / "metrics.json"
     if not (reuse and metrics.is_file()):
         args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(CONFIGS / "train.yaml"),
@@ -100,7 +106,8 @@ def run_one(mode: str, seed: int, data: Path, run_dir: Path, overrides: dict, de
         run_dir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with open(run_dir / "bench.log", "w") as log:
-            result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=os.environ.copy())
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+            result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         if result.returncode != 0:
             raise RuntimeError(f"{mode} seed {seed} failed (exit {result.returncode}); see {run_dir / 'bench.log'}")
         (run_dir / "bench_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
@@ -153,6 +160,13 @@ def main() -> None:
     parser.add_argument("--tea-z", type=int, default=8, help="top TEA ops used at test time (the bundle's tea_z)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_quality")
     parser.add_argument("--reuse", action="store_true", help="keep runs whose metrics.json exists")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads per run (default: the cores shared out over --jobs; oversubscribed torch threads "
+        "spin and slow every run down several times)",
+    )
     args = parser.parse_args()  # fmt: skip
 
     data, shift = prepare_dataset(args.out, args.shift)
@@ -168,8 +182,11 @@ def main() -> None:
             jobs.append((mode, seed, data, args.out / "runs" / args.shift / mode / f"seed{seed}", overrides))
     print(f"shift {args.shift!r}: undone by TRA {undone_by['tra']} / TEA {undone_by['tea']}; {len(jobs)} runs")
     results: dict[tuple[str, int], dict] = {}
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.jobs))
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {pool.submit(run_one, m, s, d, r, o, args.device, args.reuse): (m, s) for m, s, d, r, o in jobs}
+        futures = {
+            pool.submit(run_one, m, s, d, r, o, args.device, args.reuse, threads): (m, s) for m, s, d, r, o in jobs
+        }
         for future, key in futures.items():
             results[key] = future.result()
             print(f"  {key[0]} seed {key[1]}: Dice none {results[key]['none']:.1f} / TTA {results[key]['tta']:.1f}"
