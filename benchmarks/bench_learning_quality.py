@@ -122,6 +122,11 @@ def run_one(
     }
 
 
+def threads_per_run(jobs: int, threads: int = 0) -> int:
+    """CPU threads for each of ``jobs`` parallel runs: ``threads`` when given, else the cores shared out."""
+    return threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
+
+
 def tra_probability(policies: dict, series: str, op: str) -> list[float]:
     """The op's final probability in every class group."""
     out = []
@@ -182,7 +187,7 @@ def main() -> None:
             jobs.append((mode, seed, data, args.out / "runs" / args.shift / mode / f"seed{seed}", overrides))
     print(f"shift {args.shift!r}: undone by TRA {undone_by['tra']} / TEA {undone_by['tea']}; {len(jobs)} runs")
     results: dict[tuple[str, int], dict] = {}
-    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.jobs))
+    threads = threads_per_run(args.jobs, args.threads)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = {
             pool.submit(run_one, m, s, d, r, o, args.device, args.reuse, threads): (m, s) for m, s, d, r, o in jobs

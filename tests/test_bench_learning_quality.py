@@ -1,0 +1,72 @@
+"""The learning-quality benchmark reads what it reports from the run's own files (no bundle run here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from jcsaug.data.synthetic import TARGET_SHIFTS, shift_undoing_ops
+from jcsaug.policy import make_tea_policy, make_tra_policy
+from jcsaug.policy.io import policies_to_dict
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_learning_quality.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_learning_quality", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("shift", sorted(TARGET_SHIFTS))
+def test_oracle_sets_each_undoing_op_to_one_half_in_a_real_policy(bench, shift):
+    undone = shift_undoing_ops(TARGET_SHIFTS[shift])
+    preset = bench.oracle_preset(undone)
+    policy = make_tra_policy(json.loads(json.dumps(preset)), num_groups=2)  # as the bundle reads the override
+    nnunet = make_tra_policy("nnunet", num_groups=2)
+    for entry in undone["tra"]:
+        s = policy.series_names.index(entry["series"])
+        op = policy.op_names[s].index(entry["op"])
+        probs = policy.probabilities()[s]
+        if entry.get("partial"):  # a random-sign op keeps the preset
+            assert probs.tolist() == nnunet.probabilities()[s].tolist()
+        else:
+            assert probs[:, 0].tolist() == pytest.approx([0.5, 0.5], abs=1e-5)
+            assert probs[:, op].tolist() == pytest.approx([0.5, 0.5], abs=1e-5)
+    untouched = {e["series"] for e in undone["tra"] if not e.get("partial")}
+    for s, name in enumerate(policy.series_names):
+        if name not in untouched:
+            assert policy.probabilities()[s].tolist() == nnunet.probabilities()[s].tolist()
+
+
+def test_probabilities_and_ranks_are_read_from_policies_json(bench):
+    tra = make_tra_policy("nnunet", num_groups=2)
+    s = tra.series_names.index("rotate_frontal")
+    op = tra.op_names[s].index("rot90")
+    probs = [p.numpy().copy() for p in tra.probabilities()]
+    probs[s][:] = 0.0
+    probs[s][:, 0], probs[s][:, op] = [0.9, 0.6], [0.1, 0.4]
+    tra.set_probabilities(probs)
+    tea = make_tea_policy()
+    names = tea.op_names[0]
+    probs = [1.0] * len(names)
+    probs[names.index("rotate_frontal_cw_90")] = 50.0  # the most likely op
+    probs[names.index("mirror_sagittal")] = 20.0  # the second
+    tea.set_probabilities([[p / sum(probs) for p in probs]])
+    policies = json.loads(json.dumps(policies_to_dict(tra, tea)))  # what policies.json holds
+
+    assert bench.tra_probability(policies, "rotate_frontal", "rot90") == pytest.approx([0.1, 0.4], abs=1e-5)
+    ranks = bench.tea_ranks(policies)
+    assert ranks["rotate_frontal_cw_90"] == 1 and ranks["mirror_sagittal"] == 2
+
+
+def test_parallel_runs_share_out_the_cores(bench, monkeypatch):
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 8)
+    assert bench.threads_per_run(jobs=3, threads=0) == 2
+    assert bench.threads_per_run(jobs=16, threads=0) == 1
+    assert bench.threads_per_run(jobs=2, threads=3) == 3  # an explicit --threads wins
