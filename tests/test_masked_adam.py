@@ -11,6 +11,8 @@ from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater
 from jcsaug.engine.optim import MaskedAdam
 from jcsaug.policy import make_tea_policy, make_tra_policy
 
+pytestmark = pytest.mark.method  # all fast; part of the mutation run's test set (tests/README.md)
+
 
 def test_full_mask_is_torch_adam():
     torch.manual_seed(0)

@@ -425,9 +425,9 @@ RANK_PLANS = {  # iteration -> (gradient, drawn mask) per rank; None: that rank 
 EXPECTED_GRADIENTS = [[1.0, 1.0, 0.5, 0.125 + 5e-13, 2.0], [0.0, 0.0, 0.0, 0.0, -3.0]]
 
 
-def _rank_updates(rank: int) -> dict:
+def _rank_updates(rank: int, dtype: torch.dtype = F64) -> dict:
     """Two policy updates on this rank of a two-rank run: the gradient applied after each, and the logits."""
-    policy = CategoricalPolicy([3, 2]).double()
+    policy = CategoricalPolicy([3, 2]).to(dtype)
     plan = RANK_PLANS[rank]
     updater = _GivenGradient(policy, lambda t: plan[t], lr=0.1, poly_power=0.0)
     engine = Engine(lambda e, b: None)
@@ -470,7 +470,10 @@ class _ThreadRanks:
 
 
 @pytest.mark.filterwarnings("ignore:policy update skipped")
-def test_collective_step_applies_the_mean_of_two_ranks(monkeypatch):
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_collective_step_applies_the_mean_of_two_ranks(monkeypatch, dtype):
+    """The mean is summed in float64 and applied in the policy's own dtype (a float32 policy gets a float32
+    gradient: a float64 one could not be assigned to its logits)."""
     import ignite.distributed as idist
 
     ranks = _ThreadRanks()
@@ -482,7 +485,7 @@ def test_collective_step_applies_the_mean_of_two_ranks(monkeypatch):
     def run(rank: int) -> None:
         ranks.local.rank = rank
         try:
-            results[rank] = _rank_updates(rank)
+            results[rank] = _rank_updates(rank, dtype)
         except BaseException as error:  # noqa: BLE001 - re-raised in the main thread
             errors.append(error)
             ranks.barrier.abort()
@@ -494,13 +497,13 @@ def test_collective_step_applies_the_mean_of_two_ranks(monkeypatch):
         t.join(timeout=120)
     if errors:
         raise errors[0]
-    _check_ranks(results)
+    _check_ranks(results, atol=1e-15 if dtype == F64 else 1e-7)
     assert ranks.calls == [3, 3]  # one all-reduce per update on each rank
 
 
-def _check_ranks(results: dict) -> None:
+def _check_ranks(results: dict, atol: float = 1e-15) -> None:
     for rank in range(2):
-        np.testing.assert_allclose(results[rank]["applied"], EXPECTED_GRADIENTS, rtol=0, atol=1e-15)
+        np.testing.assert_allclose(results[rank]["applied"], EXPECTED_GRADIENTS, rtol=0, atol=atol)
         # rank 1 skipped its second update yet stepped with rank 0's gradient; both skipped the non-finite third
         assert results[rank]["updates"] == 2 and results[rank]["skipped"] == 1 + rank
     assert results[0]["logits"] == results[1]["logits"]

@@ -20,6 +20,7 @@ from jcsaug.policy import CategoricalPolicy, ClassGroupd, TRACascaded, make_tra_
 from jcsaug.policy.io import save_policies
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+method = pytest.mark.method  # part of the mutation run's test set (tests/README.md)
 
 ROT90_FRONTAL = (1, 4)  # (series, op): rotate_frontal / rot90, the quarter turn that swaps array axes 0 and 2
 
@@ -78,6 +79,7 @@ def test_explored_ops_are_uniform_over_all_ops():
 
 
 # ------------------------------------------------------------------------------------------- op effects
+@method
 def test_op_effects_gradient_by_hand():
     policy = CategoricalPolicy([3, 2], num_groups=2)
     with torch.no_grad():
@@ -126,6 +128,7 @@ def _counterfactual_batch(n: int, copies: int, seed: int, policy: CategoricalPol
     return {k: (v.double() if torch.is_floating_point(v) and k != "label" else v) for k, v in batch.items()}
 
 
+@method
 @pytest.mark.parametrize(("hypergradient", "min_cosine"), [("jvp", 0.999), ("finite-difference", 0.99)])
 def test_paired_effects_are_the_derivative_of_the_stepped_validation_loss(hypergradient, min_cosine):
     """Each measured effect equals dL_val(theta*)/d(weight of op vs identity on that patch), found by brute force:
@@ -264,6 +267,7 @@ def test_fixed_mode_reuses_a_learned_policy_unchanged(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- validation sample
+@method
 def test_validation_pool_and_running_average():
     net = tiny_unet()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)

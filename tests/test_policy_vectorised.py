@@ -11,6 +11,8 @@ from jcsaug.policy import gumbel
 from jcsaug.policy.categorical import NOT_APPLIED, CategoricalPolicy
 from jcsaug.policy.factory import make_tra_policy
 
+pytestmark = pytest.mark.method  # part of the mutation run's test set (tests/README.md)
+
 
 def test_padded_choices_give_the_unpadded_conditional_softmax(monkeypatch):
     logits = torch.tensor([[0.3, -0.5, 1.1]], requires_grad=True)

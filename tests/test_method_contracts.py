@@ -1,0 +1,235 @@
+"""The method's smaller contracts, each pinned by numbers or by an exact expectation: the paired TEA update by hand,
+the updaters' own seeded draws, restored state, and the rules for skipping. Mutation testing (tests/README.md) found
+each of these unpinned by the equation tests of test_method_equations.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from torch import nn
+
+from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater
+from jcsaug.engine.base import SkipUpdate
+from jcsaug.engine.paired import OpEffects
+from jcsaug.ops.tea import TEA_OPS
+from jcsaug.policy import CategoricalPolicy
+from test_method_equations import _sigmoid, _soft_dice_loss, _Threshold
+
+pytestmark = pytest.mark.method  # part of the mutation run's test set (tests/README.md)
+
+F64 = torch.float64
+
+
+def _octant_patch() -> tuple[torch.Tensor, torch.Tensor]:
+    """An 8^3 patch whose lesion fills one octant, and its label (as in the TEA equation test)."""
+    label = torch.zeros(1, 8, 8, 8)
+    label[0, 4:, 4:, 4:] = 1
+    return label.clone(), label
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the paired TEA update
+def test_tea_paired_update_by_hand():
+    """Catalogue identity, mirror all, +0.05, +0.15; Z = 3 draws every non-identity op once per update, in a random
+    order. Mapped back, the mirror scores the untouched Dice loss D0 (effect 0) and the shifts D1 and D2 (effects
+    D1 - D0, D2 - D0). With uniform probabilities pi = 1/4 (lr 0 keeps them) the baseline is
+    ``b = (D1 + D2 - 2 D0) / 4`` and the gradient ``pi_m (D_m - b)`` for every op (the identity with ``D_0 = 0``),
+    the same in each update whatever the order of the copies."""
+    ops = [TEA_OPS[0], TEA_OPS[41], TEA_OPS[54], TEA_OPS[55]]
+    policy = CategoricalPolicy([len(ops)]).double()
+    image, label = _octant_patch()
+    updater = TEAPolicyUpdater(
+        policy, _Threshold(), [{"image": image[None], "label": label[None]}], lr=0.0, num_copies=3, ops=ops,
+        estimator="paired",
+    )  # fmt: skip
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    grads, dice = [], []
+
+    @engine.on(Events.ITERATION_COMPLETED)
+    def record(_):
+        grads.append(policy.logits.grad[0].clone())
+        dice.append(dict(updater.last_dice))
+
+    engine.run([0, 0, 0], max_epochs=1)
+    assert updater.updates == 3 and updater.skipped == 0
+
+    lab = label.numpy()
+    d0, d1, d2 = (_soft_dice_loss(_sigmoid(6 * (lab + c - 0.5)), lab) for c in (0.0, 0.05, 0.15))
+    assert min(d1 - d0, d2 - d1) > 1e-3  # distinct scores, not lost in the tolerance
+    effect = np.array([0.0, 0.0, d1 - d0, d2 - d0])
+    for grad, scores in zip(grads, dice):
+        np.testing.assert_allclose(grad.numpy(), 0.25 * (effect - effect.mean()), rtol=1e-5, atol=1e-7)  # float32 Dice
+        assert scores == pytest.approx({"untouched": d0, "augmented_mean": (d0 + d1 + d2) / 3}, rel=1e-6)
+
+
+def _measured_tea_ops(seed: int, global_seed: int, updates: int = 3) -> list[list[int]]:
+    """The ops the paired TEA updater measured in each update (Z = 2 of 11 non-identity ops)."""
+    ops = TEA_OPS[:12]
+    torch.manual_seed(global_seed)  # the updater's draws must not depend on the global stream
+    image, label = _octant_patch()
+    updater = TEAPolicyUpdater(
+        CategoricalPolicy([len(ops)]), _Threshold(), [{"image": image[None], "label": label[None]}], lr=0.1,
+        num_copies=2, ops=ops, estimator="paired", seed=seed,
+    )  # fmt: skip
+    measured = []
+    dice = updater._mapped_back_dice
+    updater._mapped_back_dice = lambda im, lab, drawn: (
+        measured.append([ops.index(o) for o in drawn]) or dice(im, lab, drawn)
+    )
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run([0] * updates, max_epochs=1)
+    return measured
+
+
+def test_tea_paired_draws_come_from_the_updaters_seeded_generator():
+    """Z distinct non-identity ops per update, from the updater's own generator: the same seed measures the same
+    ops whatever the global torch seed, another seed other ops."""
+    first = _measured_tea_ops(seed=0, global_seed=1)
+    assert first == _measured_tea_ops(seed=0, global_seed=2)
+    assert first != _measured_tea_ops(seed=1, global_seed=1)
+    for drawn in first:
+        assert len(set(drawn)) == 2 and all(1 <= k <= 11 for k in drawn)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# restored state
+def test_op_effects_restore_as_float64_from_any_stored_dtype():
+    """Running effects restored from a float32 (or plain list) state are float64 again, so that later measurements
+    fold in at full precision."""
+    policy = CategoricalPolicy([3, 2], num_groups=2)
+    effects = OpEffects(policy)
+    stored = {"estimate": torch.full((2, 5), 0.1, dtype=torch.float32), "count": [[1.0] * 5, [2.0] * 5]}
+    effects.load_state_dict(stored)
+    assert effects.estimate.dtype == F64 and effects.count.dtype == F64
+    assert effects.count.tolist() == stored["count"]
+    with pytest.raises(ValueError, match="op-effect count of shape"):
+        effects.load_state_dict({"estimate": torch.zeros(2, 5), "count": torch.zeros(1, 5)})
+
+
+def test_updater_checkpoint_round_trip_and_older_states():
+    """Counts, skip reasons and the paired estimator's op effects come back from a checkpoint; a state written
+    before they existed loads with zero counts and fresh effects; a gumbel updater ignores stored op effects; a
+    state without a generator is refused before anything is loaded."""
+    ops = [TEA_OPS[0], TEA_OPS[38], TEA_OPS[54], TEA_OPS[41]]
+    image, label = _octant_patch()
+
+    def make(estimator: str = "paired") -> TEAPolicyUpdater:
+        return TEAPolicyUpdater(
+            CategoricalPolicy([len(ops)]).double(), _Threshold(), [{"image": image[None], "label": label[None]}],
+            lr=0.1, num_copies=3, ops=ops, estimator=estimator,
+        )  # fmt: skip
+
+    trained = make()
+    engine = Engine(lambda e, b: None)
+    trained.attach(engine)
+    engine.run([0, 0], max_epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for reason in ("no validation patch with foreground", "non-finite TEA Dice", "non-finite TEA Dice"):
+            trained.skip(reason)
+    state = trained.state_dict()
+    assert torch.equal(state["effects"]["count"], torch.tensor([[0.0, 2.0, 2.0, 2.0]], dtype=F64))
+    assert state["skip_reasons"] == {"no validation patch with foreground": 1, "non-finite TEA Dice": 2}
+    restored = make()
+    restored.load_state_dict(state)
+    assert torch.equal(restored.effects.estimate, trained.effects.estimate)
+    assert torch.equal(restored.effects.count, trained.effects.count)
+    assert (restored.updates, restored.skipped, restored.skip_reasons) == (2, 3, trained.skip_reasons)
+
+    older = {k: state[k] for k in ("policy", "optimizer", "generator")}
+    restored.load_state_dict(older)  # no counts, no effects: counted from zero, the effects as they were
+    assert (restored.updates, restored.skipped, dict(restored.skip_reasons)) == (0, 0, {})
+    fresh = make()
+    fresh.load_state_dict(older)
+    assert not fresh.effects.count.any()
+    gumbel = make("gumbel")
+    gumbel.load_state_dict(state)  # the op effects of a paired run are not the gumbel estimator's business
+    assert gumbel.effects is None and gumbel.updates == 2
+
+    fresh = make()
+    before = fresh.policy.logits.detach().clone()
+    with pytest.raises(KeyError, match=r"missing \['generator'\]"):
+        fresh.load_state_dict({k: v for k, v in state.items() if k != "generator"})
+    assert torch.equal(fresh.policy.logits.detach(), before)  # refused before anything was loaded
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the paired TRA step: which op each (sample, counterfactual) pair scores, and its sign
+def _paired_tra_updater(policy: CategoricalPolicy) -> tuple[TRAPolicyUpdater, Engine]:
+    updater = TRAPolicyUpdater(policy, nn.Linear(1, 1), [], torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1),
+                               lr=0.1, estimator="paired", poly_power=0.0)  # fmt: skip
+    engine = Engine(lambda e, b: None)
+    engine.state.iteration, engine.state.max_epochs, engine.state.epoch_length = 1, 1, 1
+    return updater, engine
+
+
+def test_paired_tra_step_scores_each_pair_by_hand():
+    """Two samples (groups 0 and 1) of a policy with series of 3 and 2 ops, two copies each. Sample 0 drew ops
+    (1, 0): copy (series 0, identity) scores op 1 as ``s0 - c00``; copy (series 1, op 1) scores op 1 of series 1
+    as ``c01 - s0``. Sample 1 drew (2, 1): copy (series 0, identity) scores op 2 as ``s1 - c10``, copy (series 1,
+    identity) op 1 of series 1 as ``s1 - c11``. Uniform probabilities: ``grad = pi (D - b)``, ``b = pi . D`` per
+    series, on the scored ops and their series' identities only; the other ops keep their logits and Adam state."""
+    policy = CategoricalPolicy([3, 2], num_groups=2).double()
+    updater, engine = _paired_tra_updater(policy)
+    scores, cf_scores = _t([1.0, -2.0]), _t([[0.5, 4.0], [1.0, -3.0]])
+    choices, groups = torch.tensor([[1, 0], [2, 1]]), torch.tensor([0, 1])
+    cf_ops = torch.tensor([[[0, 0], [1, 1]], [[0, 0], [1, 0]]])
+    updater._paired_step(engine, scores, cf_scores, choices, groups, cf_ops)
+
+    d = {(0, 1): 1.0 - 0.5, (0, 4): 4.0 - 1.0, (1, 2): -2.0 - 1.0, (1, 4): -2.0 - -3.0}  # (group, logit): effect
+    expected = np.zeros((2, 5))
+    for g in range(2):
+        for lo, hi in ((0, 3), (3, 5)):
+            effect = np.array([d.get((g, j), 0.0) for j in range(lo, hi)])
+            if effect.any():
+                expected[g, lo:hi] = (effect - effect.mean()) / (hi - lo)
+    expected[0, 2] = expected[1, 1] = 0.0  # not scored: no step
+    np.testing.assert_allclose(policy.logits.grad.numpy(), expected, rtol=1e-12, atol=1e-15)
+    stepped = updater.optimizer.state[policy.logits]["step"] > 0
+    assert stepped.tolist() == [[True, True, False, True, True], [True, False, True, True, True]]
+
+
+def test_paired_tra_step_needs_one_scored_op():
+    """An update whose copies all replaced an identity by the identity has nothing to learn from: skipped. One
+    measurement is enough."""
+    policy = CategoricalPolicy([3, 2]).double()
+    updater, engine = _paired_tra_updater(policy)
+    choices, groups = torch.tensor([[0, 0]]), torch.tensor([0])
+    with pytest.raises(SkipUpdate, match="no counterfactual scored a non-identity op"):
+        updater._paired_step(engine, _t([1.0]), _t([[2.0]]), choices, groups, torch.tensor([[[0, 0]]]))
+    updater._paired_step(engine, _t([1.0]), _t([[2.0]]), choices, groups, torch.tensor([[[1, 1]]]))
+    np.testing.assert_allclose(policy.logits.grad[0].numpy(), [0, 0, 0, -0.25, 0.25], atol=1e-15)
+
+
+def test_paired_tra_update_refuses_missing_or_misshapen_counterfactuals():
+    policy = CategoricalPolicy([3, 2]).double()
+    updater, _ = _paired_tra_updater(policy)
+    image = torch.zeros(2, 1, 2, 2, 2)
+    with pytest.raises(KeyError, match="the paired estimator needs the counterfactual copies"):
+        updater._counterfactuals({"image": image, "label": image}, 2)
+    copies = {"image_cf": torch.zeros(2, 2, 1, 2, 2, 2), "label_cf": torch.zeros(2, 2, 1, 2, 2, 2)}
+    for cf_ops in (torch.zeros(2, 2, dtype=torch.long), torch.zeros(3, 2, 2, dtype=torch.long)):  # no K axis; n = 3
+        batch = {"image": image, "label": image, "tra_cf_ops": cf_ops, **copies}
+        if cf_ops.ndim == 3:
+            batch.update(image_cf=torch.zeros(3, 2, 1, 2, 2, 2), label_cf=torch.zeros(3, 2, 1, 2, 2, 2))
+        with pytest.raises(ValueError, match="counterfactuals of shapes"):
+            updater._counterfactuals(batch, 2)
+
+
+def test_op_effects_smoothing_range():
+    policy = CategoricalPolicy([3, 2]).to(torch.float32)
+    effects = OpEffects(policy, smoothing=1.0)  # 1: the latest measurement only
+    assert effects.estimate.dtype == F64 and effects.count.dtype == F64  # float64 whatever the policy's dtype
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="smoothing must be in"):
+            OpEffects(policy, smoothing=bad)
+
+
+def _t(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=F64)
