@@ -185,11 +185,11 @@ class PolicyUpdater(ABC):
 
     def lr_for_budget(self, budget: float, total_iterations: int) -> float:
         """The base lr whose poly-decayed values over this updater's planned updates sum to ``budget``."""
-        steps = torch.arange(self.update_every, max(total_iterations, 1) + 1, self.update_every, dtype=torch.float64)
-        if steps.numel() == 0:
+        total = max(total_iterations, 1)
+        if self.update_every > total:  # no update planned (and torch.arange refuses a range that ends before it starts)
             return 0.0
-        decay = (1.0 - (steps - 1) / max(total_iterations, 1)).clamp(min=0.0) ** self.poly_power
-        return float(budget / decay.sum()) if float(decay.sum()) > 0 else 0.0
+        steps = torch.arange(self.update_every, total + 1, self.update_every, dtype=torch.float64)
+        return float(budget / ((1.0 - (steps - 1) / total) ** self.poly_power).sum())  # every term > 0: steps <= total
 
     @staticmethod
     def _total_iterations(engine: Engine) -> int:
