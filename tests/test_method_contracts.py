@@ -15,9 +15,10 @@ from torch import nn
 from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater
 from jcsaug.engine.base import SkipUpdate
 from jcsaug.engine.paired import OpEffects
+from jcsaug.engine.tra_updater import tea_transform_batch
 from jcsaug.ops.tea import TEA_OPS
 from jcsaug.policy import CategoricalPolicy
-from test_method_equations import _sigmoid, _soft_dice_loss, _Threshold
+from test_method_equations import _GivenGradient, _sigmoid, _soft_dice_loss, _Threshold
 
 pytestmark = pytest.mark.method  # part of the mutation run's test set (tests/README.md)
 
@@ -229,6 +230,50 @@ def test_op_effects_smoothing_range():
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="smoothing must be in"):
             OpEffects(policy, smoothing=bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the logit budget's learning rate at the edges
+@pytest.mark.parametrize(
+    ("update_every", "total", "power", "expected"),
+    [
+        (2, 40, 0.9, 3.0 / sum((1 - (t - 1) / 40) ** 0.9 for t in range(2, 41, 2))),  # in float64
+        (3, 10, 0.0, 3.0 / 3),  # no decay: the budget shared by the updates at 3, 6, 9
+        (1, 1, 0.0, 3.0),  # one iteration, one update
+        (3, 3, 0.9, 3.0 / (1 - 2 / 3) ** 0.9),  # one update, at the last iteration
+        (3, 2, 0.9, 0.0),  # no update planned: nothing to spend the budget on
+        (5, 2, 0.9, 0.0),
+    ],
+)
+def test_logit_budget_learning_rate_by_hand(update_every, total, power, expected):
+    policy = CategoricalPolicy([3])
+    updater = _GivenGradient(policy, lambda t: None, lr=1.0, update_every=update_every, poly_power=power)
+    assert updater.lr_for_budget(3.0, total) == pytest.approx(expected, rel=1e-13, abs=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# joint mode's transformed validation batch
+def test_tea_transform_batch_draws_from_the_given_generator_and_moves_image_and_label_together():
+    """Half identity, half sagittal mirror: each sample comes back as itself or mirrored, its label alike, the
+    draws from the given generator only."""
+    tea = CategoricalPolicy([2])
+    image = torch.arange(16 * 8, dtype=F64).reshape(16, 1, 8, 1, 1)
+    label = (image % 3 == 0).to(F64)
+
+    def transformed(global_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(global_seed)
+        ((x, y),) = tea_transform_batch(image, label, tea, [TEA_OPS[0], TEA_OPS[38]], torch.Generator().manual_seed(0))
+        return x, y
+
+    x, y = transformed(1)
+    x2, y2 = transformed(2)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    mirrored = torch.tensor([not torch.equal(x[i], image[i]) for i in range(16)])
+    assert 0 < int(mirrored.sum()) < 16
+    for i in range(16):
+        expected = image[i].flip(1) if mirrored[i] else image[i]
+        torch.testing.assert_close(x[i], expected)
+        torch.testing.assert_close(y[i], label[i].flip(1) if mirrored[i] else label[i])
 
 
 def _t(values) -> torch.Tensor:
