@@ -298,7 +298,9 @@ class PolicyUpdater(ABC):
         mean = (packed[:n] / count).reshape(logits.shape).to(logits.device, logits.dtype)
         return mean, (packed[n : 2 * n] > 0).reshape(logits.shape)
 
-    def _most_changed(self, before: list[torch.Tensor], top: int = 3) -> list[tuple[str, float]]:
+    def _most_changed(
+        self, before: list[torch.Tensor], top: int = 3
+    ) -> list[tuple[str, float]]:  # pragma: no mutate block (logging)
         """The ``top`` ops whose probability changed most since ``before``, each for the class group where it
         changed most, with the signed change."""
         after = self.policy.probabilities()
@@ -311,7 +313,7 @@ class PolicyUpdater(ABC):
         changes.sort(key=lambda c: -abs(c[1]))
         return changes[:top]
 
-    def _log_changes(self, engine: Engine, before: list[torch.Tensor]) -> None:
+    def _log_changes(self, engine: Engine, before: list[torch.Tensor]) -> None:  # pragma: no mutate block (logging)
         """One DEBUG line per update (INFO gets one line per epoch, :meth:`_log_epoch`)."""
         self.last_changes = self._most_changed(before)
         logger.debug(
@@ -322,14 +324,14 @@ class PolicyUpdater(ABC):
             ", ".join(f"{n} ({d:+.2e})" for n, d in self.last_changes),
         )
 
-    def _start_epoch(self, engine: Engine) -> None:
+    def _start_epoch(self, engine: Engine) -> None:  # pragma: no mutate block (logging)
         self._epoch_start = (
             self.updates,
             self.skipped,
             self.policy.probabilities() if logger.isEnabledFor(logging.INFO) else None,
         )
 
-    def _log_epoch(self, engine: Engine) -> None:
+    def _log_epoch(self, engine: Engine) -> None:  # pragma: no mutate block (logging)
         """One INFO line per epoch: updates done and skipped in it, and the ops that changed most in it."""
         start = getattr(self, "_epoch_start", None)
         if start is None or start[2] is None or not logger.isEnabledFor(logging.INFO):

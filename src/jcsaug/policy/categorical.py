@@ -228,7 +228,7 @@ class CategoricalPolicy(nn.Module):
         return index, straight_through_weight(soft, index)
 
     # ------------------------------------------------------------------ export
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict:  # pragma: no mutate block (the JSON export: tests/test_export.py)
         """Plain, JSON-ready view: probabilities per group, series and op, with names."""
         probs = self.probabilities()
         logits = self.logits.detach()
@@ -256,5 +256,5 @@ class CategoricalPolicy(nn.Module):
             ],
         }
 
-    def extra_repr(self) -> str:
+    def extra_repr(self) -> str:  # pragma: no mutate block (display)
         return f"series={self.num_series}, groups={self.num_groups}, logits={self.offsets[-1]}"
