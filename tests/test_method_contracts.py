@@ -13,8 +13,9 @@ from ignite.engine import Engine, Events
 from torch import nn
 
 from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater
-from jcsaug.engine.base import SkipUpdate
+from jcsaug.engine.base import SkipUpdate, ValidationStream
 from jcsaug.engine.paired import OpEffects
+from jcsaug.engine.tea_updater import predict_by_shape
 from jcsaug.engine.tra_updater import tea_transform_batch
 from jcsaug.ops.tea import TEA_OPS
 from jcsaug.policy import CategoricalPolicy
@@ -274,6 +275,23 @@ def test_tea_transform_batch_draws_from_the_given_generator_and_moves_image_and_
         expected = image[i].flip(1) if mirrored[i] else image[i]
         torch.testing.assert_close(x[i], expected)
         torch.testing.assert_close(y[i], label[i].flip(1) if mirrored[i] else label[i])
+
+
+def test_predict_by_shape_batches_equal_shapes_and_keeps_the_order():
+    """Copies rotated by 90 degrees change a non-cubic patch's shape: each shape goes through the network on its
+    own, and every prediction comes back in its copy's place."""
+    net = _Threshold()
+    images = [torch.rand(1, 4, 4, 2), torch.rand(1, 2, 4, 4), torch.rand(1, 4, 4, 2)]
+    for image, prob in zip(images, predict_by_shape(net, images)):
+        torch.testing.assert_close(prob, torch.softmax(net(image[None]), dim=1)[0])
+
+
+def test_validation_stream_restart_begins_a_fresh_pass():
+    stream = ValidationStream(["a", "b", "c"])
+    assert [stream.next(), stream.next()] == ["a", "b"]
+    stream.restart()  # as a resumed run does
+    assert [stream.next(), stream.next(), stream.next(), stream.next()] == ["a", "b", "c", "a"]
+    assert ValidationStream([]).next() is None and ValidationStream(None).next() is None
 
 
 def _t(values) -> torch.Tensor:
