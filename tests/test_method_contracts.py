@@ -255,26 +255,34 @@ def test_logit_budget_learning_rate_by_hand(update_every, total, power, expected
 # ---------------------------------------------------------------------------------------------------------------
 # joint mode's transformed validation batch
 def test_tea_transform_batch_draws_from_the_given_generator_and_moves_image_and_label_together():
-    """Half identity, half sagittal mirror: each sample comes back as itself or mirrored, its label alike, the
-    draws from the given generator only."""
-    tea = CategoricalPolicy([2])
+    """Identity, sagittal mirror or +0.15 in thirds: each sample comes back as itself, mirrored or brighter, its label
+    mirrored alike but never brightened, the draws from the given generator only. A quarter turn of non-cubic
+    patches changes their shape: the samples come back in one mini-batch per shape."""
+    tea = CategoricalPolicy([3])
     image = torch.arange(16 * 8, dtype=F64).reshape(16, 1, 8, 1, 1)
     label = (image % 3 == 0).to(F64)
 
     def transformed(global_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         torch.manual_seed(global_seed)
-        ((x, y),) = tea_transform_batch(image, label, tea, [TEA_OPS[0], TEA_OPS[38]], torch.Generator().manual_seed(0))
+        generator = torch.Generator().manual_seed(0)
+        ((x, y),) = tea_transform_batch(image, label, tea, [TEA_OPS[0], TEA_OPS[38], TEA_OPS[55]], generator)
         return x, y
 
     x, y = transformed(1)
     x2, y2 = transformed(2)
     assert torch.equal(x, x2) and torch.equal(y, y2)
-    mirrored = torch.tensor([not torch.equal(x[i], image[i]) for i in range(16)])
-    assert 0 < int(mirrored.sum()) < 16
+    seen = set()
     for i in range(16):
-        expected = image[i].flip(1) if mirrored[i] else image[i]
-        torch.testing.assert_close(x[i], expected)
-        torch.testing.assert_close(y[i], label[i].flip(1) if mirrored[i] else label[i])
+        candidates = {0: (image[i], label[i]), 1: (image[i].flip(1), label[i].flip(1)), 2: (image[i] + 0.15, label[i])}
+        op = next(k for k, (xi, _) in candidates.items() if torch.allclose(x[i], xi))
+        torch.testing.assert_close(y[i], candidates[op][1])
+        seen.add(op)
+    assert seen == {0, 1, 2}
+
+    cube = torch.rand(6, 1, 4, 4, 2, dtype=F64)
+    chunks = tea_transform_batch(cube, cube, tea, [TEA_OPS[0], TEA_OPS[14], TEA_OPS[0]], torch.Generator())
+    assert sorted(tuple(xs.shape[2:]) for xs, _ in chunks) == [(2, 4, 4), (4, 4, 2)]
+    assert sum(len(xs) for xs, _ in chunks) == 6
 
 
 def test_predict_by_shape_batches_equal_shapes_and_keeps_the_order():
