@@ -302,5 +302,40 @@ def test_validation_stream_restart_begins_a_fresh_pass():
     assert ValidationStream([]).next() is None and ValidationStream(None).next() is None
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# sampling in the workers, the TEA validation patches
+def test_sample_ops_is_shift_invariant_even_for_large_logits_and_checks_the_group():
+    """Softmax sampling does not change when every logit of a group moves by the same amount, even by hundreds
+    (learned logits are unbounded; ``exp`` of them would overflow); a group past the last is refused."""
+    policy = CategoricalPolicy([3, 2], num_groups=2, init_probs=[[0.2, 0.5, 0.3], [0.6, 0.4]])
+
+    def draws() -> np.ndarray:
+        rng = np.random.RandomState(7)
+        return np.stack([policy.sample_ops(1, rng) for _ in range(200)])
+
+    before = draws()
+    assert len(np.unique(before, axis=0)) == 6  # every combination drawn: a change of probabilities would show
+    with torch.no_grad():
+        policy.logits[1] += 500.0
+    assert np.array_equal(draws(), before)
+    with pytest.raises(ValueError, match="class group 2 out of range"):
+        policy.sample_ops(2, np.random.RandomState(0))
+
+
+def test_each_tea_update_takes_the_next_validation_patch():
+    """One foreground patch per update, in the validation stream's order: none is skipped over."""
+    ops = [TEA_OPS[0], TEA_OPS[41]]
+    image, label = _octant_patch()
+    batches = [{"image": image[None] * (1 + k), "label": label[None]} for k in range(3)]
+    updater = TEAPolicyUpdater(CategoricalPolicy([2]), _Threshold(), batches, lr=0.1, num_copies=2, ops=ops)
+    scored = []
+    dice = updater._mapped_back_dice
+    updater._mapped_back_dice = lambda im, lab, drawn: scored.append(float(im.max())) or dice(im, lab, drawn)
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run([0] * 3, max_epochs=1)
+    assert scored == [1.0, 2.0, 3.0]
+
+
 def _t(values) -> torch.Tensor:
     return torch.tensor(values, dtype=F64)
