@@ -305,8 +305,9 @@ def test_validation_stream_restart_begins_a_fresh_pass():
 # ---------------------------------------------------------------------------------------------------------------
 # sampling in the workers, the TEA validation patches
 def test_sample_ops_is_shift_invariant_even_for_large_logits_and_checks_the_group():
-    """Softmax sampling does not change when every logit of a group moves by the same amount, even by hundreds
-    (learned logits are unbounded; ``exp`` of them would overflow); a group past the last is refused."""
+    """Softmax sampling does not change when the logits of a series move by the same amount, even by hundreds
+    (learned logits are unbounded; ``exp`` of them would overflow); series are drawn independently; a group past
+    the last is refused."""
     policy = CategoricalPolicy([3, 2], num_groups=2, init_probs=[[0.2, 0.5, 0.3], [0.6, 0.4]])
 
     def draws() -> np.ndarray:
@@ -316,8 +317,15 @@ def test_sample_ops_is_shift_invariant_even_for_large_logits_and_checks_the_grou
     before = draws()
     assert len(np.unique(before, axis=0)) == 6  # every combination drawn: a change of probabilities would show
     with torch.no_grad():
-        policy.logits[1] += 500.0
+        policy.logits[1, :3] += 800.0  # one series only: each series is normalised on its own
     assert np.array_equal(draws(), before)
+    with torch.no_grad():
+        policy.logits[1, 3:] += 500.0
+    assert np.array_equal(draws(), before)
+    twins = CategoricalPolicy([2, 2])  # the same probabilities in both series, drawn independently
+    rng = np.random.RandomState(0)
+    pairs = np.stack([twins.sample_ops(0, rng) for _ in range(100)])
+    assert 30 < int((pairs[:, 0] != pairs[:, 1]).sum()) < 70
     with pytest.raises(ValueError, match="class group 2 out of range"):
         policy.sample_ops(2, np.random.RandomState(0))
 
