@@ -19,6 +19,7 @@ from jcsaug.engine.tea_updater import predict_by_shape
 from jcsaug.engine.tra_updater import tea_transform_batch
 from jcsaug.ops.tea import TEA_OPS
 from jcsaug.policy import CategoricalPolicy
+from jcsaug.policy.gumbel import gumbel_noise
 from test_method_equations import _GivenGradient, _sigmoid, _soft_dice_loss, _Threshold
 
 pytestmark = pytest.mark.method  # part of the mutation run's test set (tests/README.md)
@@ -343,6 +344,20 @@ def test_each_tea_update_takes_the_next_validation_patch():
     updater.attach(engine)
     engine.run([0] * 3, max_epochs=1)
     assert scored == [1.0, 2.0, 3.0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gumbel noise
+def test_gumbel_noise_is_float64_from_the_generator_and_finite_at_u_zero(monkeypatch):
+    """``-log(-log U)`` with U drawn in float64 from the given generator whatever the logits' dtype (the far tails
+    need it), and finite even when ``torch.rand`` returns exactly 0 (it can: its range is [0, 1))."""
+    like = torch.zeros(3, dtype=torch.float32)
+    noise = gumbel_noise(torch.Size([1000]), like, torch.Generator().manual_seed(3))
+    u = torch.rand(1000, generator=torch.Generator().manual_seed(3), dtype=F64)
+    assert noise.dtype == F64
+    torch.testing.assert_close(noise, -torch.log(-torch.log(u)), rtol=0, atol=0)
+    monkeypatch.setattr(torch, "rand", lambda shape, **kwargs: torch.zeros(shape, dtype=kwargs.get("dtype")))
+    assert torch.isfinite(gumbel_noise(torch.Size([4]), like)).all()
 
 
 def _t(values) -> torch.Tensor:
