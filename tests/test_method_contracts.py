@@ -12,13 +12,13 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater
+from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater, finite_difference_hypergradient, get_loss
 from jcsaug.engine.base import SkipUpdate, ValidationStream
 from jcsaug.engine.paired import OpEffects
 from jcsaug.engine.tea_updater import predict_by_shape
 from jcsaug.engine.tra_updater import tea_transform_batch
 from jcsaug.ops.tea import TEA_OPS
-from jcsaug.policy import CategoricalPolicy
+from jcsaug.policy import CategoricalPolicy, make_tea_policy, make_tra_policy
 from jcsaug.policy.gumbel import gumbel_noise
 from test_method_equations import _GivenGradient, _sigmoid, _soft_dice_loss, _Threshold
 
@@ -358,6 +358,40 @@ def test_gumbel_noise_is_float64_from_the_generator_and_finite_at_u_zero(monkeyp
     torch.testing.assert_close(noise, -torch.log(-torch.log(u)), rtol=0, atol=0)
     monkeypatch.setattr(torch, "rand", lambda shape, **kwargs: torch.zeros(shape, dtype=kwargs.get("dtype")))
     assert torch.isfinite(gumbel_noise(torch.Size([4]), like)).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the defaults (SPEC §6: Z = 10, gamma = 5e-5, poly 0.9)
+def test_updater_defaults_are_the_papers():
+    net = nn.Linear(1, 1)
+    tea = TEAPolicyUpdater(make_tea_policy(), net, [])
+    assert (tea.base_lr, tea.num_copies, tea.poly_power, tea.max_batches, tea.patches) == (5e-5, 10, 0.9, 4, 1)
+    assert (tea.name, tea.estimator, tea.effects, tea.mask_undrawn, tea.update_every) == (
+        "TEA",
+        "gumbel",
+        None,
+        True,
+        1,
+    )
+    assert tea.optimizer.param_groups[0]["frequency_scaling"] is False
+    assert torch.equal(
+        tea.generator.get_state(), TEAPolicyUpdater(make_tea_policy(), net, [], seed=0).generator.get_state()
+    )
+    paired = TEAPolicyUpdater(make_tea_policy(), net, [], estimator="paired")
+    assert paired.effects.smoothing == 0.1 and paired.optimizer.param_groups[0]["frequency_scaling"] is True
+
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    tra = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt)
+    assert (tra.base_lr, tra.poly_power, tra.name, tra.estimator, tra.effects) == (1e-3, 0.9, "TRA", "gumbel", None)
+    assert (tra.val_batches, tra.val_average, tra.meta_mode, tra.mask_undrawn) == (1, 1.0, "eval", True)
+    assert tra.train_loss is get_loss("ce+dice") and tra.val_loss is get_loss("dice") and tra.batch_val_loss is None
+    assert tra.hypergradient is finite_difference_hypergradient and tra.tea_policy is None
+    assert tra.optimizer.param_groups[0]["frequency_scaling"] is False
+    assert torch.equal(tra.generator.get_state(), torch.Generator().manual_seed(0).get_state())
+    paired = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt, estimator="paired")
+    assert paired.effects.smoothing == 0.1 and paired.optimizer.param_groups[0]["frequency_scaling"] is True
+    joint = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt, tea_policy=make_tea_policy())
+    assert joint.tea_ops is TEA_OPS
 
 
 def _t(values) -> torch.Tensor:
