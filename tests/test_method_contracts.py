@@ -394,5 +394,47 @@ def test_updater_defaults_are_the_papers():
     assert joint.tea_ops is TEA_OPS
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the policy's probabilities
+def test_set_probabilities_normalises_floors_and_checks_by_hand():
+    policy = CategoricalPolicy([3, 2], num_groups=2)
+    policy.set_probabilities([[2, 1, 1], [[1.0, 0.0], [1.0, 3.0]]])  # weights (ints too), per group or shared
+    probs = policy.probabilities()
+    np.testing.assert_allclose(probs[0].numpy(), [[0.5, 0.25, 0.25]] * 2, rtol=1e-6)
+    np.testing.assert_allclose(probs[1].numpy(), [[1 / (1 + 1e-6), 1e-6 / (1 + 1e-6)], [0.25, 0.75]], rtol=1e-5)
+    assert probs[0].dtype == policy.logits.dtype == torch.float32
+    expected_logits = np.log([[0.5, 0.25, 0.25, 1 / (1 + 1e-6), 1e-6 / (1 + 1e-6)], [0.5, 0.25, 0.25, 0.25, 0.75]])
+    np.testing.assert_allclose(policy.logits.detach().numpy(), expected_logits, rtol=1e-5)  # log-probabilities
+    for bad in ([[0.5, 0.5], [1.0, 0.0]], [[0.5, -0.1, 0.6], [1.0, 0.0]], [[0.2, 0.3, 0.5], [[0.5, 0.5]] * 3],
+                [[0.2, 0.3, 0.5], [[[0.5, 0.5]] * 2]]):  # fmt: skip
+        with pytest.raises(ValueError, match="series"):
+            policy.set_probabilities(bad)
+
+
+def test_probabilities_are_shift_invariant_per_series_and_the_index_is_cached():
+    policy = CategoricalPolicy([3, 2], num_groups=2, init_probs=[[0.2, 0.5, 0.3], [0.6, 0.4]])
+    before = [p.clone() for p in policy.probabilities()]
+    with torch.no_grad():
+        policy.logits[1, :3] += 800.0  # one series of one group: the others' probabilities must not move
+    for p, q in zip(policy.probabilities(), before):
+        torch.testing.assert_close(p, q)
+    assert policy._padded_index() is policy._padded_index()  # built once per policy (the layout never changes)
+
+
+def test_weights_draw_their_noise_from_the_given_generator():
+    policy = CategoricalPolicy([3, 2], num_groups=2).double()
+    choices, groups = torch.tensor([[1, 0], [2, 1]]), torch.tensor([0, 1])
+
+    def gradient(global_seed: int) -> torch.Tensor:
+        torch.manual_seed(global_seed)
+        policy.logits.grad = None
+        policy.weights(choices, groups, torch.Generator().manual_seed(0)).sum().backward()
+        return policy.logits.grad.clone()
+
+    first = gradient(1)
+    assert first[0].abs().sum() > 0 and first[1].abs().sum() > 0  # each sample's own group
+    assert torch.equal(first, gradient(2))
+
+
 def _t(values) -> torch.Tensor:
     return torch.tensor(values, dtype=F64)
