@@ -70,6 +70,34 @@ def test_tea_paired_update_by_hand():
         assert scores == pytest.approx({"untouched": d0, "augmented_mean": (d0 + d1 + d2) / 3}, rel=1e-6)
 
 
+@pytest.mark.parametrize("mask_undrawn", [True, False])
+def test_tea_gumbel_update_scores_copies_and_masks_undrawn_ops(mask_undrawn):
+    """Copies drawn +0.05 and identity (the mirror not drawn): ``last_dice`` holds the untouched patch's loss and
+    the copies' mean; the undrawn mirror takes no Adam step unless ``mask_undrawn=False``."""
+    ops = [TEA_OPS[0], TEA_OPS[41], TEA_OPS[54]]
+    policy = CategoricalPolicy([len(ops)]).double()
+    choices = torch.tensor([[2], [0]])
+    image, label = _octant_patch()
+    updater = TEAPolicyUpdater(
+        policy, _Threshold(), [{"image": image[None], "label": label[None]}], lr=0.1, num_copies=2, ops=ops,
+        mask_undrawn=mask_undrawn,
+    )  # fmt: skip
+
+    def gumbel_sample(groups, generator=None):  # weights with dw/dp = 1 at the drawn op
+        picked = policy.logits[0][choices]
+        return choices, picked - picked.detach() + 1
+
+    updater.policy.gumbel_sample = gumbel_sample
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run([0], max_epochs=1)
+    lab = label.numpy()
+    d0, d1 = (_soft_dice_loss(_sigmoid(6 * (lab + c - 0.5)), lab) for c in (0.0, 0.05))
+    assert updater.last_dice == pytest.approx({"untouched": d0, "augmented_mean": (d0 + d1) / 2}, rel=1e-6)
+    steps = updater.optimizer.state[policy.logits]["step"][0].tolist()
+    assert steps == ([1.0, 0.0, 1.0] if mask_undrawn else [1.0, 1.0, 1.0])
+
+
 def _measured_tea_ops(seed: int, global_seed: int, updates: int = 3) -> list[list[int]]:
     """The ops the paired TEA updater measured in each update (Z = 2 of 11 non-identity ops)."""
     ops = TEA_OPS[:12]
