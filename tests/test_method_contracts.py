@@ -98,6 +98,42 @@ def test_tea_gumbel_update_scores_copies_and_masks_undrawn_ops(mask_undrawn):
     assert steps == ([1.0, 0.0, 1.0] if mask_undrawn else [1.0, 1.0, 1.0])
 
 
+def test_tea_gumbel_draws_come_from_the_updaters_seeded_generator():
+    ops = TEA_OPS[:12]
+    image, label = _octant_patch()
+
+    def logits_after_two_updates(global_seed: int) -> torch.Tensor:
+        torch.manual_seed(global_seed)
+        policy = CategoricalPolicy([len(ops)]).double()
+        val = [{"image": image[None], "label": label[None]}]
+        updater = TEAPolicyUpdater(policy, _Threshold(), val, lr=0.1, num_copies=3, ops=ops, seed=5)
+        engine = Engine(lambda e, b: None)
+        updater.attach(engine)
+        engine.run([0, 0], max_epochs=1)
+        return policy.logits.detach().clone()
+
+    first = logits_after_two_updates(1)
+    assert (first != 0).any() and torch.equal(first, logits_after_two_updates(2))
+
+
+def test_tea_patches_prefer_foreground_centred_ones_then_any_with_foreground():
+    """Two patches wanted from [background only, centred on the lesion, two off-centre lesions]: the centred one,
+    then the first off-centre one, in that order; none with foreground at all is a skipped update."""
+    label = torch.zeros(4, 1, 8, 8, 8)
+    label[1, 0, 3:6, 3:6, 3:6] = 1  # centred
+    label[2, 0, :2, :2, :2] = 1  # off-centre
+    label[3, 0, 6:, 6:, 6:] = 1  # off-centre
+    image = torch.arange(4.0).reshape(4, 1, 1, 1, 1).expand(4, 1, 8, 8, 8)
+    updater = TEAPolicyUpdater(CategoricalPolicy([2]), _Threshold(), [{"image": image, "label": label}],
+                               ops=TEA_OPS[:2], patches=2, max_batches=1)  # fmt: skip
+    patches = updater._foreground_patches(2)
+    assert [int(x[0, 0, 0, 0]) for x, _ in patches] == [1, 2]
+    empty = TEAPolicyUpdater(CategoricalPolicy([2]), _Threshold(), [{"image": image[:1], "label": label[:1]}],
+                             ops=TEA_OPS[:2], max_batches=2)  # fmt: skip
+    with pytest.raises(SkipUpdate, match="no validation patch with foreground"):
+        empty._foreground_patches(1)
+
+
 def _measured_tea_ops(seed: int, global_seed: int, updates: int = 3) -> list[list[int]]:
     """The ops the paired TEA updater measured in each update (Z = 2 of 11 non-identity ops)."""
     ops = TEA_OPS[:12]
