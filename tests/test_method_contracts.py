@@ -500,5 +500,20 @@ def test_weights_draw_their_noise_from_the_given_generator():
     assert torch.equal(first, gradient(2))
 
 
+def test_tea_updater_arguments_are_checked():
+    net, ops = nn.Linear(1, 1), TEA_OPS[:4]
+    assert TEAPolicyUpdater(CategoricalPolicy([4]), net, [], ops=ops, num_copies=1).num_copies == 1
+    paired = TEAPolicyUpdater(CategoricalPolicy([4]), net, [], ops=ops, num_copies=3, estimator="paired",
+                              effect_smoothing=0.5)  # fmt: skip
+    assert paired.effects.smoothing == 0.5
+    with pytest.raises(ValueError, match="num_copies"):
+        TEAPolicyUpdater(CategoricalPolicy([4]), net, [], ops=ops, num_copies=0)
+    with pytest.raises(ValueError, match=r"num_copies \(Z\) must be <= 3"):  # Z distinct non-identity ops
+        TEAPolicyUpdater(CategoricalPolicy([4]), net, [], ops=ops, num_copies=4, estimator="paired")
+    for policy in (CategoricalPolicy([4, 4]), CategoricalPolicy([3])):  # one series of exactly the catalogue's ops
+        with pytest.raises(ValueError, match="TEA policy must have one series of 4 ops"):
+            TEAPolicyUpdater(policy, net, [], ops=ops)
+
+
 def _t(values) -> torch.Tensor:
     return torch.tensor(values, dtype=F64)
