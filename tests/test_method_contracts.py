@@ -515,5 +515,18 @@ def test_tea_updater_arguments_are_checked():
             TEAPolicyUpdater(policy, net, [], ops=ops)
 
 
+def test_tra_updater_arguments_are_checked():
+    net = nn.Linear(1, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    policy = make_tra_policy("nnunet", 2)
+    updater = TRAPolicyUpdater(policy, net, [], opt, estimator="paired", effect_smoothing=0.5, val_average=1.0,
+                               val_batches=3, meta_mode="train", val_loss="batch-dice")  # fmt: skip
+    assert (updater.effects.smoothing, updater.val_batches, updater.meta_mode) == (0.5, 3, "train")
+    assert updater.val_loss is None and updater.batch_val_loss is not None
+    for bad in ({"val_batches": 0}, {"val_average": 1.5}, {"val_average": 0.0}, {"meta_mode": "test"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TRAPolicyUpdater(policy, net, [], opt, **bad)
+
+
 def _t(values) -> torch.Tensor:
     return torch.tensor(values, dtype=F64)
