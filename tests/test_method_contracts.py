@@ -12,7 +12,13 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater, finite_difference_hypergradient, get_loss
+from jcsaug.engine import (
+    TEAPolicyUpdater,
+    TRAPolicyUpdater,
+    finite_difference_hypergradient,
+    get_loss,
+    normalise_hypergradient,
+)
 from jcsaug.engine.base import SkipUpdate, ValidationStream
 from jcsaug.engine.paired import OpEffects
 from jcsaug.engine.tea_updater import predict_by_shape
@@ -526,6 +532,26 @@ def test_tra_updater_arguments_are_checked():
     for bad in ({"val_batches": 0}, {"val_average": 1.5}, {"val_average": 0.0}, {"meta_mode": "test"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TRAPolicyUpdater(policy, net, [], opt, **bad)
+
+
+def test_class_centring_with_three_groups_by_hand():
+    g = _t([1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+    groups = torch.tensor([0, 1, 2, 0, 1, 2])
+    choices = torch.tensor([[0], [1], [2], [3], [4], [5]])  # every op drawn once: counts 1
+    expected = [1 - 4.5, 2 - 9.0, 4 - 18.0, 8 - 4.5, 16 - 9.0, 32 - 18.0]
+    np.testing.assert_allclose(normalise_hypergradient(g, groups, choices)[:, 0].numpy(), expected)
+
+
+def test_batch_dice_validation_loss_is_one_dice_over_the_validation_batch():
+    from jcsaug.engine.losses import batch_dice_loss
+
+    net = _Threshold()
+    opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    updater = TRAPolicyUpdater(CategoricalPolicy([2]), net, [], opt, val_loss="batch-dice")
+    image, label = _octant_patch()
+    chunks = [(image[None], label[None]), (image[None] * 0.5, label[None])]
+    expected = batch_dice_loss([(net(x), y) for x, y in chunks])
+    torch.testing.assert_close(updater._validation_loss(chunks), expected)
 
 
 def _t(values) -> torch.Tensor:
