@@ -511,7 +511,12 @@ def test_tea_updater_arguments_are_checked():
     assert TEAPolicyUpdater(CategoricalPolicy([4]), net, [], ops=ops, num_copies=1).num_copies == 1
     paired = TEAPolicyUpdater(CategoricalPolicy([4]), net, [], ops=ops, num_copies=3, estimator="paired",
                               effect_smoothing=0.5)  # fmt: skip
-    assert paired.effects.smoothing == 0.5
+    assert paired.effects.smoothing == 0.5 and paired.last_dice == {}  # no scores before the first update
+    keyed = TEAPolicyUpdater(CategoricalPolicy([4]), net, [], ops=ops, image_key="ct", label_key="seg")
+    x, y = torch.zeros(1, 1, 2, 2, 2), torch.ones(1, 1, 2, 2, 2)
+    assert [
+        t is not None and bool(t.eq(v).all()) for t, v in zip(keyed.prepare_batch({"ct": x, "seg": y}, None), (0, 1))
+    ] == [True, True]
     with pytest.raises(ValueError, match="num_copies"):
         TEAPolicyUpdater(CategoricalPolicy([4]), net, [], ops=ops, num_copies=0)
     with pytest.raises(ValueError, match=r"num_copies \(Z\) must be <= 3"):  # Z distinct non-identity ops
