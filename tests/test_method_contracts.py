@@ -514,9 +514,8 @@ def test_tea_updater_arguments_are_checked():
     assert paired.effects.smoothing == 0.5 and paired.last_dice == {}  # no scores before the first update
     keyed = TEAPolicyUpdater(CategoricalPolicy([4]), net, [], ops=ops, image_key="ct", label_key="seg")
     x, y = torch.zeros(1, 1, 2, 2, 2), torch.ones(1, 1, 2, 2, 2)
-    assert [
-        t is not None and bool(t.eq(v).all()) for t, v in zip(keyed.prepare_batch({"ct": x, "seg": y}, None), (0, 1))
-    ] == [True, True]
+    image, seg = keyed.prepare_batch({"ct": x, "seg": y}, torch.device("cpu"))
+    assert torch.equal(image, x) and torch.equal(seg, y)
     with pytest.raises(ValueError, match="num_copies"):
         TEAPolicyUpdater(CategoricalPolicy([4]), net, [], ops=ops, num_copies=0)
     with pytest.raises(ValueError, match=r"num_copies \(Z\) must be <= 3"):  # Z distinct non-identity ops
