@@ -12,6 +12,7 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
+from helpers import lesion_batch, tiny_unet
 from jcsaug.engine import (
     TEAPolicyUpdater,
     TRAPolicyUpdater,
@@ -560,3 +561,44 @@ def test_batch_dice_validation_loss_is_one_dice_over_the_validation_batch():
 
 def _t(values) -> torch.Tensor:
     return torch.tensor(values, dtype=F64)
+
+
+# ------------------------------------------------------------------------------------- the validation gradient
+def test_validation_gradient_zero_for_unused_parameters_seeded_in_joint_mode_and_not_averaged_by_default():
+    """``v``: a zero entry for a parameter L_val does not reach; joint mode's TEA ops drawn from the updater's own
+    generator (the global RNG does not change ``v``); with ``val_average = 1`` nothing is averaged or checkpointed."""
+
+    def v_of(updater: TRAPolicyUpdater, global_seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(global_seed)
+        return updater._validation_gradient()
+
+    net = tiny_unet()
+    net.unused = torch.nn.Parameter(torch.ones(3))  # requires grad, not in forward
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    batches = [lesion_batch(4, seed=20)]
+    plain_updater = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, batches, opt)
+    v = v_of(plain_updater, 0)
+    assert torch.equal(v["unused"], torch.zeros(3))
+    assert any(float(g.abs().sum()) > 0 for name, g in v.items() if name != "unused")
+    assert plain_updater._v_average is None and "val_gradient_average" not in plain_updater.state_dict()
+
+    def joint(seed: int) -> TRAPolicyUpdater:
+        policy = make_tra_policy("nnunet", 2)
+        return TRAPolicyUpdater(policy, net, batches, opt, tea_policy=make_tea_policy(), seed=seed)
+
+    a, b, other = v_of(joint(5), 0), v_of(joint(5), 1), v_of(joint(6), 0)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
+    assert any(not torch.equal(a[name], other[name]) for name in a)  # the TEA draws do change v
+
+
+def test_as_batch_keeps_dictionaries_collates_sample_lists_and_refuses_the_rest():
+    from jcsaug.engine.base import as_batch
+
+    batch = {"image": torch.zeros(2, 1, 2, 2, 2)}
+    assert as_batch(batch) is batch
+    samples = [{"image": torch.zeros(1, 2, 2, 2)}, {"image": torch.ones(1, 2, 2, 2)}]
+    assert as_batch(samples)["image"].shape == (2, 1, 2, 2, 2)
+    for bad in ([], (torch.zeros(1), torch.zeros(1)), "image"):
+        with pytest.raises(TypeError, match="dictionary batch"):
+            as_batch(bad)
