@@ -602,3 +602,38 @@ def test_as_batch_keeps_dictionaries_collates_sample_lists_and_refuses_the_rest(
     for bad in ([], (torch.zeros(1), torch.zeros(1)), "image"):
         with pytest.raises(TypeError, match="dictionary batch"):
             as_batch(bad)
+
+
+class _ModeRecorder(nn.Module):
+    """tiny_unet that records ``self.training`` at every forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_unet()
+        self.modes: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.modes.append(self.training)
+        return self.net(x)
+
+
+@pytest.mark.parametrize("meta_mode", ["eval", "train"])
+def test_single_group_gumbel_tra_updates_and_runs_its_extra_passes_in_meta_mode(meta_mode):
+    """One TRA policy for all patches (``learned`` mode): every update runs (no 'one class group' skip) and
+    the validation and theta ± eps v passes run in ``meta_mode`` while the trainer's own step trains."""
+    from helpers import train_engine
+
+    policy = make_tra_policy("nnunet", num_groups=1)
+    net = _ModeRecorder()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    batch = lesion_batch(4, seed=3)  # its class groups are ignored: one group
+    batch["tra_ops"] = torch.as_tensor(np.stack([policy.sample_ops(0, np.random.RandomState(i)) for i in range(4)]))
+    before = policy.logits.detach().clone()
+    updater = TRAPolicyUpdater(policy, net, [lesion_batch(4, seed=4)], opt, lr=0.05, meta_mode=meta_mode)
+    engine = train_engine(net, opt)
+    updater.attach(engine)
+    engine.run([batch, batch], max_epochs=1)
+    assert (updater.updates, updater.skipped) == (2, 0)
+    assert not torch.equal(policy.logits.detach(), before)
+    extra = net.modes[1:]  # after the first training forward pass
+    assert extra and (all(extra) if meta_mode == "train" else (False in extra and extra.count(True) == 1))
