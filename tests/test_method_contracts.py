@@ -637,3 +637,40 @@ def test_single_group_gumbel_tra_updates_and_runs_its_extra_passes_in_meta_mode(
     assert not torch.equal(policy.logits.detach(), before)
     extra = net.modes[1:]  # after the first training forward pass
     assert extra and (all(extra) if meta_mode == "train" else (False in extra and extra.count(True) == 1))
+
+
+def test_paired_scores_are_the_hypergradient_made_scale_free(monkeypatch):
+    """``update()``: each paired score is ``g_i * N / (alpha * ||v||)`` (N = the samples and their copies, all
+    scored in one batch), handed to the paired step as the samples' scores and the copies' ``[n, K]`` scores; the
+    hypergradient gets ``||v||`` rather than recomputing it."""
+    from jcsaug.engine.hypergradient import flat_norm
+
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(2, 1, 4, 4, 4)
+    y = (x > 0).float()
+    updater = TRAPolicyUpdater(CategoricalPolicy([3, 2], num_groups=2), net, [{"image": x, "label": y}], opt,
+                               estimator="paired")  # fmt: skip
+    norm = float(flat_norm(updater._validation_gradient()))
+    g = torch.arange(1.0, 7.0, dtype=F64)  # 2 samples, then 2 x 2 copies
+    seen: dict = {}
+
+    def hypergradient(model, theta, v, image, label, loss, alpha, v_norm=None):
+        seen.update(n=image.shape[0], v_norm=v_norm)
+        return g.clone()
+
+    monkeypatch.setattr(updater, "hypergradient", hypergradient)
+    monkeypatch.setattr(updater, "_paired_step", lambda engine, s, cf, *rest: seen.update(s=s, cf=cf))
+    updater._theta, updater._alpha = {n: p.detach().clone() for n, p in net.named_parameters()}, 0.05
+    engine = Engine(lambda e, b: None)
+    engine.state.batch = {
+        "image": x, "label": y, "tra_ops": torch.tensor([[1, 0], [2, 1]]), "class_group": torch.tensor([0, 1]),
+        "tra_cf_ops": torch.tensor([[[0, 0], [1, 1]], [[0, 0], [1, 0]]]),
+        "image_cf": x[:, None].expand(2, 2, 1, 4, 4, 4), "label_cf": y[:, None].expand(2, 2, 1, 4, 4, 4),
+    }  # fmt: skip
+    updater.update(engine)
+    assert seen["n"] == 6 and seen["v_norm"] == pytest.approx(norm, rel=1e-6)
+    expected = g * 6 / (0.05 * norm)
+    torch.testing.assert_close(seen["s"], expected[:2], rtol=1e-6, atol=0)
+    torch.testing.assert_close(seen["cf"], expected[2:].reshape(2, 2), rtol=1e-6, atol=0)
