@@ -12,7 +12,7 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-from helpers import lesion_batch, tiny_unet
+from helpers import lesion_batch, tiny_unet, train_engine
 from jcsaug.engine import (
     TEAPolicyUpdater,
     TRAPolicyUpdater,
@@ -621,8 +621,6 @@ class _ModeRecorder(nn.Module):
 def test_single_group_gumbel_tra_updates_and_runs_its_extra_passes_in_meta_mode(meta_mode):
     """One TRA policy for all patches (``learned`` mode): every update runs (no 'one class group' skip) and
     the validation and theta ± eps v passes run in ``meta_mode`` while the trainer's own step trains."""
-    from helpers import train_engine
-
     policy = make_tra_policy("nnunet", num_groups=1)
     net = _ModeRecorder()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -674,3 +672,27 @@ def test_paired_scores_are_the_hypergradient_made_scale_free(monkeypatch):
     expected = g * 6 / (0.05 * norm)
     torch.testing.assert_close(seen["s"], expected[:2], rtol=1e-6, atol=0)
     torch.testing.assert_close(seen["cf"], expected[2:].reshape(2, 2), rtol=1e-6, atol=0)
+
+
+def test_tra_updater_passes_its_seed_and_logit_budget_on_and_can_leave_undrawn_ops_unmasked():
+    """The seed and the logit budget reach :class:`PolicyUpdater`; ``mask_undrawn=False`` (gumbel) lets every op of
+    a drawn series take the plain Gumbel-softmax gradient, ``True`` only the drawn ones."""
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def make(**kwargs) -> TRAPolicyUpdater:
+        return TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [lesion_batch(4, seed=4)], opt, lr=0.05, **kwargs)
+
+    assert make(logit_budget=6.0).logit_budget == 6.0
+    assert torch.equal(make(seed=5).generator.get_state(), torch.Generator().manual_seed(5).get_state())
+    grads = {}
+    for mask in (True, False):
+        updater = make(mask_undrawn=mask)
+        batch = lesion_batch(4, seed=3, tra_policy=updater.policy)
+        engine = train_engine(net, opt)
+        updater.attach(engine)
+        engine.run([batch], max_epochs=1)
+        assert updater.updates == 1
+        grads[mask] = updater.policy.logits.grad.detach().clone()
+        drawn = updater.policy.drawn_mask(batch["tra_ops"], batch["class_group"])
+    assert (grads[True][~drawn] == 0).all() and (grads[False][~drawn] != 0).any()
