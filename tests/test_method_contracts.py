@@ -27,7 +27,7 @@ from jcsaug.engine.tra_updater import tea_transform_batch
 from jcsaug.ops.tea import TEA_OPS
 from jcsaug.policy import CategoricalPolicy, make_tea_policy, make_tra_policy
 from jcsaug.policy.gumbel import gumbel_noise
-from test_method_equations import _GivenGradient, _sigmoid, _soft_dice_loss, _Threshold
+from test_method_equations import _GivenGradient, _sigmoid, _soft_dice_loss, _t, _Threshold
 
 pytestmark = pytest.mark.method  # part of the mutation run's test set (tests/README.md)
 
@@ -557,10 +557,6 @@ def test_batch_dice_validation_loss_is_one_dice_over_the_validation_batch():
     chunks = [(image[None], label[None]), (image[None] * 0.5, label[None])]
     expected = batch_dice_loss([(net(x), y) for x, y in chunks])
     torch.testing.assert_close(updater._validation_loss(chunks), expected)
-
-
-def _t(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=F64)
 
 
 # ------------------------------------------------------------------------------------- the validation gradient
