@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,18 @@ from jcsaug.data import make_synthetic_dataset
 from jcsaug.engine import get_loss
 
 CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs"
+
+
+#: Hides the GPUs from child processes that must run on the CPU whatever the machine (gloo ranks). ignite's
+#: distributed context calls ``torch.cuda.set_device(local_rank)`` and moves its own collectives to the current GPU
+#: whenever CUDA is visible: on a one-GPU machine, rank 1 of two gloo ranks then fails and rank 0 waits for it; a
+#: forked child cannot use a CUDA that its parent initialised.
+NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def env_without_gpus(**extra: str) -> dict[str, str]:
+    """This process's environment for a CPU-only child process: :data:`NO_GPUS` and ``extra`` on top."""
+    return {**os.environ, **NO_GPUS, **extra}
 
 
 def tiny_unet(seed: int = 0) -> torch.nn.Module:

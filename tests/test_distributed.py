@@ -19,7 +19,7 @@ from monai.engines import SupervisedTrainer
 from monai.losses import DiceCELoss
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import lesion_batch, tiny_unet
+from helpers import NO_GPUS, env_without_gpus, lesion_batch, tiny_unet
 from jcsaug.data import make_synthetic_dataset
 from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater, shutdown_distributed
 from jcsaug.policy import make_tea_policy, make_tra_policy
@@ -83,7 +83,9 @@ def _train_rank(local_rank: int, out_dir: str) -> None:
     shutdown_distributed(net, destroy=False)
 
 
-def test_policies_stay_identical_on_two_gloo_ranks(tmp_path):
+def test_policies_stay_identical_on_two_gloo_ranks(tmp_path, monkeypatch):
+    for key, value in NO_GPUS.items():  # the spawned ranks run on the CPU also where CUDA is available
+        monkeypatch.setenv(key, value)
     with idist.Parallel(backend="gloo", nproc_per_node=2, master_port=_free_port()) as parallel:
         parallel.run(_train_rank, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -135,9 +137,10 @@ def test_bundle_multi_gpu_config_runs_under_torchrun(tmp_path):
             "--max_epochs", "1", "--epoch_length", "2", "--num_workers", "0",
             "--tra_update_every", "1", "--tea_update_every", "1",
             "--patch_size", "[16, 16, 16]", "--accelerator", "cpu"]  # fmt: skip
-    # (--accelerator cpu: two gloo ranks on the CPU also where CUDA is available, e.g. a single-GPU machine)
+    # (--accelerator cpu and the GPUs hidden: two gloo ranks on the CPU also where CUDA is available, e.g. a
+    # single-GPU machine)
     # (patches smaller than the volumes, so that a batch holds both class groups and TRA updates happen)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = env_without_gpus(OMP_NUM_THREADS="1")
     result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = tmp_path / "run"

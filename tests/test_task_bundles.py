@@ -14,7 +14,6 @@ files cheaply.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 from monai.bundle import ConfigParser
 
 from fake_raw import TASK_NAMES
+from helpers import env_without_gpus
 from jcsaug.networks import get_network, list_networks
 from jcsaug.tasks import get_task
 
@@ -59,7 +59,7 @@ def run_task_bundle(
             "--meta_file", str(folder / "metadata.json"), "--logging_file", str(folder / "logging.conf")]  # fmt: skip
     for key, value in {"dataset_dir": dataset_dir, **TINY, **overrides}.items():
         args += [f"--{key}", str(value)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"} if launcher else None
+    env = env_without_gpus(OMP_NUM_THREADS="1") if launcher else None  # torchrun here: gloo ranks on the CPU
     result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     return result.stdout + result.stderr
