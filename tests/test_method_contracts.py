@@ -4,6 +4,7 @@ each of these unpinned by the equation tests of test_method_equations.py."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import numpy as np
@@ -20,7 +21,7 @@ from jcsaug.engine import (
     get_loss,
     normalise_hypergradient,
 )
-from jcsaug.engine.base import SkipUpdate, ValidationStream
+from jcsaug.engine.base import PolicyUpdater, SkipUpdate, ValidationStream
 from jcsaug.engine.paired import OpEffects
 from jcsaug.engine.tea_updater import predict_by_shape
 from jcsaug.engine.tra_updater import tea_transform_batch
@@ -692,3 +693,136 @@ def test_tra_updater_passes_its_seed_and_logit_budget_on_and_can_leave_undrawn_o
         grads[mask] = updater.policy.logits.grad.detach().clone()
         drawn = updater.policy.drawn_mask(batch["tra_ops"], batch["class_group"])
     assert (grads[True][~drawn] == 0).all() and (grads[False][~drawn] != 0).any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the base updater: batch preparation, defaults, skips, the learning rate's end, DEBUG changes
+
+
+def test_default_batch_preparation_gives_plain_tensors_on_the_device_and_names_missing_keys():
+    """``make_prepare_batch()`` reads ``image`` and ``label``, strips MONAI's metadata (plain ``torch.Tensor``s, as the
+    functional passes need) and moves both to the device asked for; a batch without one of the keys is refused
+    with the key named. (The ``meta`` device stands in for a GPU: no data, but a device of its own.)"""
+    from monai.data import MetaTensor
+
+    from jcsaug.engine.base import make_prepare_batch, plain
+
+    image, label = MetaTensor(torch.arange(8.0).reshape(1, 1, 2, 2, 2)), MetaTensor(torch.ones(1, 1, 2, 2, 2))
+    assert type(plain(image)) is torch.Tensor
+    prepare = make_prepare_batch()
+    x, y = prepare({"image": image, "label": label}, torch.device("cpu"))
+    assert type(x) is torch.Tensor and type(y) is torch.Tensor
+    assert torch.equal(x, image.as_tensor()) and torch.equal(y, label.as_tensor())
+    x, y = prepare({"image": image, "label": label}, torch.device("meta"))
+    assert (x.device.type, y.device.type) == ("meta", "meta") and x.shape == y.shape == (1, 1, 2, 2, 2)
+    with pytest.raises(KeyError, match=r"no key\(s\) \['label'\]; keys are \['image', 'seg'\]"):
+        prepare({"image": image, "seg": label}, torch.device("cpu"))
+
+
+def test_the_meta_passes_run_on_the_network_inside_a_data_parallel_wrapper():
+    """``updater.model`` (the network the extra passes use) is the wrapped module, not the ``DataParallel`` /
+    DDP wrapper; an unwrapped network is used as it is."""
+    from torch.nn.parallel import DataParallel
+
+    net = nn.Conv3d(1, 2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for model in (DataParallel(net), net):
+        assert TRAPolicyUpdater(CategoricalPolicy([2]), model, None, opt).model is net
+
+
+def test_policy_updater_defaults_and_argument_checks():
+    """:class:`PolicyUpdater` on its own (a subclass that gives only ``lr``): poly power 0.9, seed 0 plus the rank
+    (rank 1 here), name ``policy`` in its warnings, the given learning rate in its Adam from the start, no frequency
+    scaling, no op effects in its state, no changes recorded; a negative or non-finite ``lr`` and a budget <= 0 are
+    refused, a budget below 1 is not."""
+    import ignite.distributed as idist
+
+    def make(**kwargs) -> _GivenGradient:
+        return _GivenGradient(CategoricalPolicy([3]), lambda t: None, **kwargs)
+
+    updater = make(lr=0.1)
+    engine = Engine(lambda e, b: None)
+    engine.state.max_epochs, engine.state.epoch_length, engine.state.iteration = 1, 10, 6  # progress 1/2
+    assert updater.current_lr(engine) == pytest.approx(0.1 * 0.5**0.9, rel=1e-12)
+    assert torch.equal(updater.generator.get_state(), torch.Generator().manual_seed(0).get_state())
+    assert updater.optimizer.param_groups[0]["lr"] == 0.1
+    assert updater.optimizer.param_groups[0]["frequency_scaling"] is False
+    assert updater.last_changes == [] and "effects" not in updater.state_dict()
+    with pytest.warns(UserWarning, match=r"^policy update skipped: nothing to learn this time"):
+        updater._run_update(engine)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(idist, "get_rank", lambda: 1)
+        assert torch.equal(make(lr=0.1, seed=5).generator.get_state(), torch.Generator().manual_seed(6).get_state())
+    for lr in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="policy learning rate"):
+            make(lr=lr)
+    for budget in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="logit_budget"):
+            make(lr=0.1, logit_budget=budget)
+    assert make(lr=0.1, logit_budget=0.5).logit_budget == 0.5
+
+
+class _Surrogates(PolicyUpdater):
+    """An updater whose update ``t`` steps on ``surrogates[t - 1](logits)``."""
+
+    def __init__(self, policy: CategoricalPolicy, surrogates) -> None:
+        super().__init__(policy, nn.Identity(), lr=0.1, poly_power=0.0)
+        self.surrogates = surrogates
+
+    def update(self, engine: Engine) -> None:
+        self.step(engine, self.surrogates[engine.state.iteration - 1](self.policy.logits))
+
+
+def test_an_update_whose_surrogate_misses_the_policy_is_skipped_and_leaves_it_unchanged():
+    """A surrogate that does not depend on the logits is skipped ("no gradient reached the policy"), also after an
+    update that did step (its gradient must not linger: Adam would take another, momentum-only, step)."""
+    unrelated = torch.zeros(1, requires_grad=True)
+    policy = CategoricalPolicy([3])
+    updater = _Surrogates(
+        policy,
+        [lambda z: unrelated.sum(), lambda z: (z * torch.tensor([[0.0, 2.0, -1.0]])).sum(), lambda z: unrelated.sum()],
+    )
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    after: list[torch.Tensor] = []
+    engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e: after.append(policy.logits.detach().clone()))
+    with pytest.warns(UserWarning, match="no gradient reached the policy"):
+        engine.run([0, 0, 0], max_epochs=1)
+    assert (updater.updates, updater.skipped) == (1, 2)
+    assert updater.skip_reasons == {"no gradient reached the policy": 2}
+    torch.testing.assert_close(after[0], torch.zeros(1, 3))
+    torch.testing.assert_close(after[1], torch.tensor([[0.0, -0.1, 0.1]]))
+    assert torch.equal(after[2], after[1])
+
+
+@pytest.mark.parametrize("total", [1, 4])
+def test_policy_learning_rate_is_zero_past_the_planned_end(total):
+    """Iterations past the planned total (``max_epochs x epoch_length``; ignite's ``max_iters`` can run past it)
+    get a learning rate of 0, not a negative or complex power of ``1 - t / T``."""
+    updater = _GivenGradient(CategoricalPolicy([3]), lambda t: None, lr=0.1, poly_power=0.9)
+    engine = Engine(lambda e, b: None)
+    engine.state.max_epochs, engine.state.epoch_length = 1, total
+    for iteration, expected in [(1, 0.1), (total + 1, 0.0), (total + 2, 0.0), (2 * total + 3, 0.0)]:
+        engine.state.iteration = iteration
+        assert updater.current_lr(engine) == expected
+
+
+@pytest.mark.parametrize("level", [logging.DEBUG, logging.INFO], ids=["debug", "info"])
+def test_each_update_records_its_most_changed_ops_only_when_debug_logging_is_on(caplog, level):
+    """With DEBUG logging on, every update records the ops whose probability changed most (largest first, signed)
+    in ``last_changes`` and logs them; otherwise nothing is computed and ``last_changes`` stays empty. The first
+    Adam step moves the logits by ``-0.1 sign(g)`` for g = (0, 2, -1): op2 gains most, op1 loses, op0 barely."""
+    caplog.set_level(level, logger="jcsaug.engine")
+    policy = CategoricalPolicy([3])
+    updater = _GivenGradient(policy, lambda t: ([0.0, 2.0, -1.0], None), lr=0.1, poly_power=0.0)
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run([0], max_epochs=1)
+    assert updater.updates == 1
+    if level == logging.INFO:
+        assert updater.last_changes == [] and "policy update 1" not in caplog.text  # the epoch's INFO line only
+        return
+    p = torch.softmax(torch.tensor([0.0, -0.1, 0.1], dtype=F64), 0).numpy() - 1 / 3
+    assert [name for name, _ in updater.last_changes] == ["series0/op2", "series0/op1", "series0/op0"]
+    np.testing.assert_allclose([d for _, d in updater.last_changes], p[[2, 1, 0]], rtol=1e-4)
+    assert "iteration 1: policy update 1; most changed: series0/op2 (+3.38e-02)" in caplog.text
