@@ -826,3 +826,59 @@ def test_each_update_records_its_most_changed_ops_only_when_debug_logging_is_on(
     assert [name for name, _ in updater.last_changes] == ["series0/op2", "series0/op1", "series0/op0"]
     np.testing.assert_allclose([d for _, d in updater.last_changes], p[[2, 1, 0]], rtol=1e-4)
     assert "iteration 1: policy update 1; most changed: series0/op2 (+3.38e-02)" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the TRA updater's own keys, parameter snapshots and noise
+
+
+def _small_tra(policy: CategoricalPolicy, **kwargs) -> tuple[TRAPolicyUpdater, dict]:
+    """A TRA updater on a 1x1x1 convolution, with a four-sample training batch (groups 0, 1, 0, 1) for it."""
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 2, 1)
+    x = torch.randn(4, 1, 4, 4, 4)
+    y = (x + torch.randn(4, 1, 4, 4, 4) > 0).float()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    updater = TRAPolicyUpdater(policy, net, [{"image": x.flip(2), "label": y.flip(2)}], opt, lr=0.05, **kwargs)
+    return updater, {
+        "image": x,
+        "label": y,
+        "tra_ops": torch.tensor([[1, 0], [2, 1], [0, -1], [1, 1]]),
+        "class_group": torch.tensor([0, 1, 0, 1]),
+    }
+
+
+def test_tra_updater_prepares_batches_with_its_own_image_and_label_keys():
+    image, label = torch.zeros(1, 1, 2, 2, 2), torch.ones(1, 1, 2, 2, 2)
+    updater, _ = _small_tra(CategoricalPolicy([3, 2], num_groups=2), image_key="img", label_key="seg")
+    x, y = updater.prepare_batch({"img": image, "seg": label}, torch.device("cpu"))
+    assert torch.equal(x, image) and torch.equal(y, label)
+
+
+def test_tra_update_needs_a_fresh_parameter_snapshot():
+    """An update runs on the ``theta`` snapshot taken when its iteration started and drops it: an update with no
+    snapshot (the first, before any was taken; the third, whose iteration took none) is skipped, not run on a
+    missing or stale ``theta``."""
+    updater, batch = _small_tra(CategoricalPolicy([3, 2], num_groups=2))
+    engine = Engine(lambda e, b: None)
+    engine.add_event_handler(Events.ITERATION_STARTED(event_filter=lambda e, i: i == 2), updater._snapshot)
+    engine.add_event_handler(Events.ITERATION_COMPLETED, updater._run_update)
+    with pytest.warns(UserWarning, match="no parameter snapshot"):
+        engine.run([batch] * 3, max_epochs=1)
+    assert (updater.updates, updater.skipped) == (1, 2) and updater._theta is None
+    assert list(updater.skip_reasons.values()) == [2] and "no parameter snapshot" in next(iter(updater.skip_reasons))
+
+
+def test_gumbel_tra_update_draws_its_noise_from_its_own_seeded_generator():
+    """The conditional Gumbel noise behind the weights' gradient comes from the updater's generator: the same seed
+    gives the same policy gradient whatever torch's global random state, another seed another gradient."""
+    grads = {}
+    for seed, global_seed in [(3, 1), (3, 2), (4, 1)]:
+        updater, batch = _small_tra(CategoricalPolicy([3, 2], num_groups=2), seed=seed)
+        engine = Engine(lambda e, b: None)
+        updater.attach(engine)
+        torch.manual_seed(global_seed)
+        engine.run([batch], max_epochs=1)
+        assert updater.updates == 1
+        grads[seed, global_seed] = updater.policy.logits.grad.clone()
+    assert torch.equal(grads[3, 1], grads[3, 2]) and not torch.equal(grads[3, 1], grads[4, 1])
