@@ -882,3 +882,47 @@ def test_gumbel_tra_update_draws_its_noise_from_its_own_seeded_generator():
         assert updater.updates == 1
         grads[seed, global_seed] = updater.policy.logits.grad.clone()
     assert torch.equal(grads[3, 1], grads[3, 2]) and not torch.equal(grads[3, 1], grads[4, 1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the policy's structure and the dtypes of recorded choices
+
+
+def test_policy_structure_one_op_series_names_and_checks():
+    """A series may hold a single op (always drawn); given series and op names are kept (``op<j>`` otherwise);
+    empty or non-positive sizes, and names that do not match the sizes, are refused."""
+    policy = CategoricalPolicy([1, 2], series_names=["only", "pair"], op_names=[["identity"], ["a", "b"]])
+    assert policy.series_names == ["only", "pair"] and policy.op_names == [["identity"], ["a", "b"]]
+    np.testing.assert_allclose(policy.probabilities()[0].numpy(), [[1.0]])
+    assert [int(policy.sample_ops(0, np.random.RandomState(i))[0]) for i in range(5)] == [0] * 5
+    assert CategoricalPolicy([2, 1]).op_names == [["op0", "op1"], ["op0"]]
+    for sizes in ([], [0], [2, -1]):
+        with pytest.raises(ValueError, match="series_sizes"):
+            CategoricalPolicy(sizes)
+    for names in ({"series_names": ["a"]}, {"op_names": [["a", "b"], []]}, {"op_names": [["a"], ["b"]]}):
+        with pytest.raises(ValueError, match="do not match"):
+            CategoricalPolicy([2, 1], **names)
+
+
+def test_recorded_choices_and_groups_are_read_as_indices_whatever_their_dtype():
+    """``drawn_mask`` and ``series_weights`` read choices and class groups as integer indices: float choices (a
+    collated MetaTensor), ``uint8`` groups (which torch would take for a boolean mask), int32 or numpy arrays give
+    what int64 tensors give."""
+    policy = CategoricalPolicy([2, 3], num_groups=2)
+    choices, groups = torch.tensor([[0, 2], [1, -1]]), torch.tensor([0, 1])
+    mask = torch.tensor([[1, 0, 0, 0, 1], [0, 1, 0, 0, 0]], dtype=torch.bool)  # (group, series offset + op)
+
+    def weight_grad(c, g) -> torch.Tensor:
+        w = policy.series_weights(c, g, torch.Generator().manual_seed(0))
+        assert torch.equal(w.detach(), torch.ones(2, 2))
+        return torch.autograd.grad((w * torch.tensor([[1.0, -2.0], [3.0, 0.5]])).sum(), policy.logits)[0]
+
+    expected = weight_grad(choices, groups)
+    assert expected.abs().sum() > 0
+    for c, g in [
+        (choices.float(), groups.to(torch.uint8)),
+        (choices.int(), groups.int()),
+        (choices.numpy().astype(np.int32), groups.numpy().astype(np.uint8)),
+    ]:
+        assert torch.equal(policy.drawn_mask(c, g), mask)
+        assert torch.equal(weight_grad(c, g), expected)
