@@ -4,6 +4,7 @@ each of these unpinned by the equation tests of test_method_equations.py."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import numpy as np
@@ -20,7 +21,7 @@ from jcsaug.engine import (
     get_loss,
     normalise_hypergradient,
 )
-from jcsaug.engine.base import SkipUpdate, ValidationStream
+from jcsaug.engine.base import PolicyUpdater, SkipUpdate, ValidationStream
 from jcsaug.engine.paired import OpEffects
 from jcsaug.engine.tea_updater import predict_by_shape
 from jcsaug.engine.tra_updater import tea_transform_batch
@@ -692,3 +693,236 @@ def test_tra_updater_passes_its_seed_and_logit_budget_on_and_can_leave_undrawn_o
         grads[mask] = updater.policy.logits.grad.detach().clone()
         drawn = updater.policy.drawn_mask(batch["tra_ops"], batch["class_group"])
     assert (grads[True][~drawn] == 0).all() and (grads[False][~drawn] != 0).any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the base updater: batch preparation, defaults, skips, the learning rate's end, DEBUG changes
+
+
+def test_default_batch_preparation_gives_plain_tensors_on_the_device_and_names_missing_keys():
+    """``make_prepare_batch()`` reads ``image`` and ``label``, strips MONAI's metadata (plain ``torch.Tensor``s, as the
+    functional passes need) and moves both to the device asked for; a batch without one of the keys is refused
+    with the key named. (The ``meta`` device stands in for a GPU: no data, but a device of its own.)"""
+    from monai.data import MetaTensor
+
+    from jcsaug.engine.base import make_prepare_batch, plain
+
+    image, label = MetaTensor(torch.arange(8.0).reshape(1, 1, 2, 2, 2)), MetaTensor(torch.ones(1, 1, 2, 2, 2))
+    assert type(plain(image)) is torch.Tensor
+    prepare = make_prepare_batch()
+    x, y = prepare({"image": image, "label": label}, torch.device("cpu"))
+    assert type(x) is torch.Tensor and type(y) is torch.Tensor
+    assert torch.equal(x, image.as_tensor()) and torch.equal(y, label.as_tensor())
+    x, y = prepare({"image": image, "label": label}, torch.device("meta"))
+    assert (x.device.type, y.device.type) == ("meta", "meta") and x.shape == y.shape == (1, 1, 2, 2, 2)
+    with pytest.raises(KeyError, match=r"no key\(s\) \['label'\]; keys are \['image', 'seg'\]"):
+        prepare({"image": image, "seg": label}, torch.device("cpu"))
+
+
+def test_the_meta_passes_run_on_the_network_inside_a_data_parallel_wrapper():
+    """``updater.model`` (the network the extra passes use) is the wrapped module, not the ``DataParallel`` /
+    DDP wrapper; an unwrapped network is used as it is."""
+    from torch.nn.parallel import DataParallel
+
+    net = nn.Conv3d(1, 2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for model in (DataParallel(net), net):
+        assert TRAPolicyUpdater(CategoricalPolicy([2]), model, None, opt).model is net
+
+
+def test_policy_updater_defaults_and_argument_checks():
+    """:class:`PolicyUpdater` on its own (a subclass that gives only ``lr``): poly power 0.9, seed 0 plus the rank
+    (rank 1 here), name ``policy`` in its warnings, the given learning rate in its Adam from the start, no frequency
+    scaling, no op effects in its state, no changes recorded; a negative or non-finite ``lr`` and a budget <= 0 are
+    refused, a budget below 1 is not."""
+    import ignite.distributed as idist
+
+    def make(**kwargs) -> _GivenGradient:
+        return _GivenGradient(CategoricalPolicy([3]), lambda t: None, **kwargs)
+
+    updater = make(lr=0.1)
+    engine = Engine(lambda e, b: None)
+    engine.state.max_epochs, engine.state.epoch_length, engine.state.iteration = 1, 10, 6  # progress 1/2
+    assert updater.current_lr(engine) == pytest.approx(0.1 * 0.5**0.9, rel=1e-12)
+    assert torch.equal(updater.generator.get_state(), torch.Generator().manual_seed(0).get_state())
+    assert updater.optimizer.param_groups[0]["lr"] == 0.1
+    assert updater.optimizer.param_groups[0]["frequency_scaling"] is False
+    assert updater.last_changes == [] and "effects" not in updater.state_dict()
+    with pytest.warns(UserWarning, match=r"^policy update skipped: nothing to learn this time"):
+        updater._run_update(engine)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(idist, "get_rank", lambda: 1)
+        assert torch.equal(make(lr=0.1, seed=5).generator.get_state(), torch.Generator().manual_seed(6).get_state())
+    for lr in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="policy learning rate"):
+            make(lr=lr)
+    for budget in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="logit_budget"):
+            make(lr=0.1, logit_budget=budget)
+    assert make(lr=0.1, logit_budget=0.5).logit_budget == 0.5
+
+
+class _Surrogates(PolicyUpdater):
+    """An updater whose update ``t`` steps on ``surrogates[t - 1](logits)``."""
+
+    def __init__(self, policy: CategoricalPolicy, surrogates) -> None:
+        super().__init__(policy, nn.Identity(), lr=0.1, poly_power=0.0)
+        self.surrogates = surrogates
+
+    def update(self, engine: Engine) -> None:
+        self.step(engine, self.surrogates[engine.state.iteration - 1](self.policy.logits))
+
+
+def test_an_update_whose_surrogate_misses_the_policy_is_skipped_and_leaves_it_unchanged():
+    """A surrogate that does not depend on the logits is skipped ("no gradient reached the policy"), also after an
+    update that did step (its gradient must not linger: Adam would take another, momentum-only, step)."""
+    unrelated = torch.zeros(1, requires_grad=True)
+    policy = CategoricalPolicy([3])
+    updater = _Surrogates(
+        policy,
+        [lambda z: unrelated.sum(), lambda z: (z * torch.tensor([[0.0, 2.0, -1.0]])).sum(), lambda z: unrelated.sum()],
+    )
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    after: list[torch.Tensor] = []
+    engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e: after.append(policy.logits.detach().clone()))
+    with pytest.warns(UserWarning, match="no gradient reached the policy"):
+        engine.run([0, 0, 0], max_epochs=1)
+    assert (updater.updates, updater.skipped) == (1, 2)
+    assert updater.skip_reasons == {"no gradient reached the policy": 2}
+    torch.testing.assert_close(after[0], torch.zeros(1, 3))
+    torch.testing.assert_close(after[1], torch.tensor([[0.0, -0.1, 0.1]]))
+    assert torch.equal(after[2], after[1])
+
+
+@pytest.mark.parametrize("total", [1, 4])
+def test_policy_learning_rate_is_zero_past_the_planned_end(total):
+    """Iterations past the planned total (``max_epochs x epoch_length``; ignite's ``max_iters`` can run past it)
+    get a learning rate of 0, not a negative or complex power of ``1 - t / T``."""
+    updater = _GivenGradient(CategoricalPolicy([3]), lambda t: None, lr=0.1, poly_power=0.9)
+    engine = Engine(lambda e, b: None)
+    engine.state.max_epochs, engine.state.epoch_length = 1, total
+    for iteration, expected in [(1, 0.1), (total + 1, 0.0), (total + 2, 0.0), (2 * total + 3, 0.0)]:
+        engine.state.iteration = iteration
+        assert updater.current_lr(engine) == expected
+
+
+@pytest.mark.parametrize("level", [logging.DEBUG, logging.INFO], ids=["debug", "info"])
+def test_each_update_records_its_most_changed_ops_only_when_debug_logging_is_on(caplog, level):
+    """With DEBUG logging on, every update records the ops whose probability changed most (largest first, signed)
+    in ``last_changes`` and logs them; otherwise nothing is computed and ``last_changes`` stays empty. The first
+    Adam step moves the logits by ``-0.1 sign(g)`` for g = (0, 2, -1): op2 gains most, op1 loses, op0 barely."""
+    caplog.set_level(level, logger="jcsaug.engine")
+    policy = CategoricalPolicy([3])
+    updater = _GivenGradient(policy, lambda t: ([0.0, 2.0, -1.0], None), lr=0.1, poly_power=0.0)
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run([0], max_epochs=1)
+    assert updater.updates == 1
+    if level == logging.INFO:
+        assert updater.last_changes == [] and "policy update 1" not in caplog.text  # the epoch's INFO line only
+        return
+    p = torch.softmax(torch.tensor([0.0, -0.1, 0.1], dtype=F64), 0).numpy() - 1 / 3
+    assert [name for name, _ in updater.last_changes] == ["series0/op2", "series0/op1", "series0/op0"]
+    np.testing.assert_allclose([d for _, d in updater.last_changes], p[[2, 1, 0]], rtol=1e-4)
+    assert "iteration 1: policy update 1; most changed: series0/op2 (+3.38e-02)" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the TRA updater's own keys, parameter snapshots and noise
+
+
+def _small_tra(policy: CategoricalPolicy, **kwargs) -> tuple[TRAPolicyUpdater, dict]:
+    """A TRA updater on a 1x1x1 convolution, with a four-sample training batch (groups 0, 1, 0, 1) for it."""
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 2, 1)
+    x = torch.randn(4, 1, 4, 4, 4)
+    y = (x + torch.randn(4, 1, 4, 4, 4) > 0).float()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    updater = TRAPolicyUpdater(policy, net, [{"image": x.flip(2), "label": y.flip(2)}], opt, lr=0.05, **kwargs)
+    return updater, {
+        "image": x,
+        "label": y,
+        "tra_ops": torch.tensor([[1, 0], [2, 1], [0, -1], [1, 1]]),
+        "class_group": torch.tensor([0, 1, 0, 1]),
+    }
+
+
+def test_tra_updater_prepares_batches_with_its_own_image_and_label_keys():
+    image, label = torch.zeros(1, 1, 2, 2, 2), torch.ones(1, 1, 2, 2, 2)
+    updater, _ = _small_tra(CategoricalPolicy([3, 2], num_groups=2), image_key="img", label_key="seg")
+    x, y = updater.prepare_batch({"img": image, "seg": label}, torch.device("cpu"))
+    assert torch.equal(x, image) and torch.equal(y, label)
+
+
+def test_tra_update_needs_a_fresh_parameter_snapshot():
+    """An update runs on the ``theta`` snapshot taken when its iteration started and drops it: an update with no
+    snapshot (the first, before any was taken; the third, whose iteration took none) is skipped, not run on a
+    missing or stale ``theta``."""
+    updater, batch = _small_tra(CategoricalPolicy([3, 2], num_groups=2))
+    engine = Engine(lambda e, b: None)
+    engine.add_event_handler(Events.ITERATION_STARTED(event_filter=lambda e, i: i == 2), updater._snapshot)
+    engine.add_event_handler(Events.ITERATION_COMPLETED, updater._run_update)
+    with pytest.warns(UserWarning, match="no parameter snapshot"):
+        engine.run([batch] * 3, max_epochs=1)
+    assert (updater.updates, updater.skipped) == (1, 2) and updater._theta is None
+    assert list(updater.skip_reasons.values()) == [2] and "no parameter snapshot" in next(iter(updater.skip_reasons))
+
+
+def test_gumbel_tra_update_draws_its_noise_from_its_own_seeded_generator():
+    """The conditional Gumbel noise behind the weights' gradient comes from the updater's generator: the same seed
+    gives the same policy gradient whatever torch's global random state, another seed another gradient."""
+    grads = {}
+    for seed, global_seed in [(3, 1), (3, 2), (4, 1)]:
+        updater, batch = _small_tra(CategoricalPolicy([3, 2], num_groups=2), seed=seed)
+        engine = Engine(lambda e, b: None)
+        updater.attach(engine)
+        torch.manual_seed(global_seed)
+        engine.run([batch], max_epochs=1)
+        assert updater.updates == 1
+        grads[seed, global_seed] = updater.policy.logits.grad.clone()
+    assert torch.equal(grads[3, 1], grads[3, 2]) and not torch.equal(grads[3, 1], grads[4, 1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the policy's structure and the dtypes of recorded choices
+
+
+def test_policy_structure_one_op_series_names_and_checks():
+    """A series may hold a single op (always drawn); given series and op names are kept (``op<j>`` otherwise);
+    empty or non-positive sizes, and names that do not match the sizes, are refused."""
+    policy = CategoricalPolicy([1, 2], series_names=["only", "pair"], op_names=[["identity"], ["a", "b"]])
+    assert policy.series_names == ["only", "pair"] and policy.op_names == [["identity"], ["a", "b"]]
+    np.testing.assert_allclose(policy.probabilities()[0].numpy(), [[1.0]])
+    assert [int(policy.sample_ops(0, np.random.RandomState(i))[0]) for i in range(5)] == [0] * 5
+    assert CategoricalPolicy([2, 1]).op_names == [["op0", "op1"], ["op0"]]
+    for sizes in ([], [0], [2, -1]):
+        with pytest.raises(ValueError, match="series_sizes"):
+            CategoricalPolicy(sizes)
+    for names in ({"series_names": ["a"]}, {"op_names": [["a", "b"], []]}, {"op_names": [["a"], ["b"]]}):
+        with pytest.raises(ValueError, match="do not match"):
+            CategoricalPolicy([2, 1], **names)
+
+
+def test_recorded_choices_and_groups_are_read_as_indices_whatever_their_dtype():
+    """``drawn_mask`` and ``series_weights`` read choices and class groups as integer indices: float choices (a
+    collated MetaTensor), ``uint8`` groups (which torch would take for a boolean mask), int32 or numpy arrays give
+    what int64 tensors give."""
+    policy = CategoricalPolicy([2, 3], num_groups=2)
+    choices, groups = torch.tensor([[0, 2], [1, -1]]), torch.tensor([0, 1])
+    mask = torch.tensor([[1, 0, 0, 0, 1], [0, 1, 0, 0, 0]], dtype=torch.bool)  # (group, series offset + op)
+
+    def weight_grad(c, g) -> torch.Tensor:
+        w = policy.series_weights(c, g, torch.Generator().manual_seed(0))
+        assert torch.equal(w.detach(), torch.ones(2, 2))
+        return torch.autograd.grad((w * torch.tensor([[1.0, -2.0], [3.0, 0.5]])).sum(), policy.logits)[0]
+
+    expected = weight_grad(choices, groups)
+    assert expected.abs().sum() > 0
+    for c, g in [
+        (choices.float(), groups.to(torch.uint8)),
+        (choices.int(), groups.int()),
+        (choices.numpy().astype(np.int32), groups.numpy().astype(np.uint8)),
+    ]:
+        assert torch.equal(policy.drawn_mask(c, g), mask)
+        assert torch.equal(weight_grad(c, g), expected)
