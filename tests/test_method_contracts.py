@@ -926,3 +926,41 @@ def test_recorded_choices_and_groups_are_read_as_indices_whatever_their_dtype():
     ]:
         assert torch.equal(policy.drawn_mask(c, g), mask)
         assert torch.equal(weight_grad(c, g), expected)
+
+
+def test_the_schedule_is_planned_over_max_iters_and_an_unknown_run_length_is_refused_at_the_start():
+    """The poly decay and the logit budget are planned over the run's iterations: ``max_iters`` when ``engine.run``
+    gets it (ignite then leaves ``max_epochs`` unset), else epochs x epoch length. Data without a length and no
+    ``epoch_length`` leave the length unknown: refused before the first iteration, naming the fix; a constant lr
+    (``poly_power=0``, no budget) needs no length."""
+    recorded = []
+
+    def make(**kwargs) -> _GivenGradient:
+        updater = _GivenGradient(CategoricalPolicy([3]), lambda t: ([0.0, 2.0, -1.0], None), **kwargs)
+        engine = Engine(lambda e, b: recorded.append(updater.current_lr(e)))
+        updater.attach(engine)
+        return updater, engine
+
+    updater, engine = make(lr=0.1, logit_budget=3.0, update_every=2)
+    engine.run(list(range(4)), max_iters=10)  # 2.5 epochs of 4
+    assert engine.state.max_epochs is None and updater.updates == 5
+    assert updater.base_lr == pytest.approx(updater.lr_for_budget(3.0, 10))
+    assert updater.lr_for_budget(3.0, 10) != pytest.approx(updater.lr_for_budget(3.0, 4))
+    # the last iteration (10 of 10) still gets a positive lr: the decay runs over max_iters, not one epoch
+    assert recorded[-1] == pytest.approx(updater.base_lr * (1 - 9 / 10) ** 0.9)
+
+    def no_length():
+        yield from range(3)
+
+    for kwargs in ({"lr": 0.1}, {"lr": 0.1, "poly_power": 0.0, "logit_budget": 2.0}):
+        updater, engine = make(**kwargs)
+        with pytest.raises(ValueError, match=r"policy updater: the run's length is unknown.*pass epoch_length"):
+            engine.run(no_length(), max_epochs=2)
+        assert updater.updates == 0
+    updater, engine = make(lr=0.1)
+    engine.run(no_length(), max_epochs=1, epoch_length=3)  # told the length: planned over 3
+    assert updater.updates == 3 and recorded[-1] == pytest.approx(0.1 * (1 - 2 / 3) ** 0.9)
+    updater, engine = make(lr=0.1, poly_power=0.0)  # constant lr: no length needed
+    recorded.clear()
+    engine.run(no_length(), max_epochs=1)
+    assert updater.updates == 3 and recorded == [0.1, 0.1, 0.1]

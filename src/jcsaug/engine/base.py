@@ -177,7 +177,11 @@ class PolicyUpdater(ABC):
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._log_epoch)
 
     def _plan_learning_rate(self, engine: Engine) -> None:
-        """With a ``logit_budget``: the base lr from the run's planned updates (see the class docstring)."""
+        """With a ``logit_budget``: the base lr from the run's planned updates (see the class docstring).
+
+        Checks first that the run's length is known when the schedule needs it (a poly decay or a budget)."""
+        if self.logit_budget is not None or self.poly_power != 0:
+            self._total_iterations(engine)  # raises, naming the fix, before the first iteration rather than later
         if self.logit_budget is None:
             return
         self.base_lr = self.lr_for_budget(self.logit_budget, self._total_iterations(engine))
@@ -191,9 +195,21 @@ class PolicyUpdater(ABC):
         steps = torch.arange(self.update_every, total + 1, self.update_every, dtype=torch.float64)
         return float(budget / ((1.0 - (steps - 1) / total) ** self.poly_power).sum())  # every term > 0: steps <= total
 
-    @staticmethod
-    def _total_iterations(engine: Engine) -> int:
-        return int((engine.state.max_epochs or 1) * (engine.state.epoch_length or 1))
+    def _total_iterations(self, engine: Engine) -> int:
+        """The run's planned iterations: ``max_iters`` when ``engine.run`` was given it, else ``max_epochs`` x
+        ``epoch_length``. Data without a length and no ``epoch_length`` leave it unknown until the first epoch
+        ends: an error then, since the poly decay and the logit budget are planned over the whole run."""
+        state = engine.state
+        if getattr(state, "max_iters", None):
+            return int(state.max_iters)
+        if state.epoch_length is None or state.max_epochs is None:
+            raise ValueError(
+                f"{self.name} updater: the run's length is unknown (the data has no len() and engine.run got no "
+                "epoch_length), but the policy learning rate is planned over it (poly_power="
+                f"{self.poly_power:g}, logit_budget={self.logit_budget}); pass epoch_length (or max_iters) to "
+                "engine.run, or set poly_power=0 and no logit_budget"
+            )
+        return int(state.max_epochs * state.epoch_length)
 
     def _run_update(self, engine: Engine) -> None:
         log = logger.isEnabledFor(logging.DEBUG)  # the per-update changes are only worth computing if shown
@@ -234,6 +250,8 @@ class PolicyUpdater(ABC):
         logger.debug("%s update skipped: %s", self.name, reason)
 
     def current_lr(self, engine: Engine) -> float:
+        if self.poly_power == 0:
+            return self.base_lr
         total = self._total_iterations(engine)
         progress = min(max((engine.state.iteration - 1) / max(total, 1), 0.0), 1.0)
         return self.base_lr * (1.0 - progress) ** self.poly_power
