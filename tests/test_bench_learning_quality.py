@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from helpers import load_benchmark
 from jcsaug.data.synthetic import TARGET_SHIFTS, shift_undoing_ops
 from jcsaug.policy import make_tea_policy, make_tra_policy
 from jcsaug.policy.io import policies_to_dict
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_learning_quality.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_learning_quality", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_learning_quality")
 
 
 @pytest.mark.parametrize("shift", sorted(TARGET_SHIFTS))

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import load_benchmark
 from jcsaug.data import make_synthetic_dataset
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_op_effects.py"
 PATCH = [16, 16, 16]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_op_effects", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_op_effects")
 
 
 @pytest.fixture(scope="module")
