@@ -1,0 +1,50 @@
+#!/bin/bash
+# The GPU checks in one run (from the repository root on a machine with CUDA), each with its own time limit so the
+# whole ends within ~9 minutes and its logs survive: the batched cascade and policy-learning benchmarks alone on the
+# machine, then the learning-quality benchmark (3 modes x 3 seeds at once) beside the test suite.
+#
+#   OUT=gpu_check_out bash benchmarks/gpu_check.sh        # logs and a tarball of the runs' small files in $OUT
+#
+# Wheels of missing packages (monai, pytorch-ignite, nibabel, fire, termcolor) in .whl/ are installed first.
+# DRY=1 rehearses the same steps on the CPU with tiny settings. END (seconds, default 510) bounds the second part.
+set -u
+OUT=${OUT:-gpu_check_out}; mkdir -p "$OUT"
+T0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - T0 )); }
+DEV=cuda; LQ_EXTRA=(); PYTEST=(-n 6); LQ_JOBS=9; END=${END:-510}
+if [ "${DRY:-0}" = 1 ]; then
+  DEV=cpu; LQ_EXTRA=(--modes heuristic+mirror --seeds 0 --set max_epochs=1 epoch_length=2)
+  PYTEST=(tests/test_masked_adam.py); LQ_JOBS=1
+fi
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/setup.log" 2>&1 || { echo "wheel install failed"; cat "$OUT/setup.log"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/src PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$OUT/setup.log" 2>&1
+python3 -c "import torch, monai, ignite, jcsaug; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), \
+'monai', monai.__version__, 'ignite', ignite.__version__)" >> "$OUT/setup.log" 2>&1
+echo "setup done t=$(elapsed)" > "$OUT/timeline.log"
+
+# 1. timings, each alone on the machine
+timeout 60 python3 benchmarks/bench_device_cascade.py --device $DEV --repeats 5 > "$OUT/bench_device_cascade.log" 2>&1
+echo "device cascade rc=$? t=$(elapsed)" >> "$OUT/timeline.log"
+timeout 110 python3 benchmarks/bench_policy_learning.py --device $DEV > "$OUT/bench_policy_learning.log" 2>&1
+echo "policy learning rc=$? t=$(elapsed)" >> "$OUT/timeline.log"
+
+# 2. learning quality beside the test suite (-v: every test's name as it ends, so a cut run still names failures)
+LEFT=$(( END - $(elapsed) ))
+( timeout $LEFT python3 benchmarks/bench_learning_quality.py --device $DEV --jobs $LQ_JOBS --threads 1 --out /tmp/lq \
+    "${LQ_EXTRA[@]}" > "$OUT/bench_learning_quality.log" 2>&1
+  echo "learning quality rc=$? t=$(elapsed)" >> "$OUT/timeline.log" ) &
+TIMEOUT=(); python3 -c "import pytest_timeout" 2> /dev/null && TIMEOUT=(--timeout 300)  # one hung test fails alone
+( timeout $(( LEFT - 20 )) python3 -m pytest -v -rf -p no:cacheprovider "${TIMEOUT[@]}" "${PYTEST[@]}" \
+    > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$? t=$(elapsed)" >> "$OUT/timeline.log" ) &
+wait
+tar czf "$OUT/learning_quality_runs.tgz" -C /tmp/lq --exclude='*.pt' --exclude=tensorboard --exclude='*.png' \
+  --exclude='*.nii.gz' . 2>> "$OUT/timeline.log"
+echo "all done t=$(elapsed)" >> "$OUT/timeline.log"
+cat "$OUT/timeline.log"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest.log" | tail -15
+tail -30 "$OUT/bench_learning_quality.log"
