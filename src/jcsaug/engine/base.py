@@ -180,11 +180,12 @@ class PolicyUpdater(ABC):
         """With a ``logit_budget``: the base lr from the run's planned updates (see the class docstring).
 
         Checks first that the run's length is known when the schedule needs it (a poly decay or a budget)."""
-        if self.logit_budget is not None or self.poly_power != 0:
-            self._total_iterations(engine)  # raises, naming the fix, before the first iteration rather than later
+        if self.logit_budget is None and self.poly_power == 0:
+            return  # a constant lr: the run's length does not matter
+        total = self._total_iterations(engine)  # raises, naming the fix, before the first iteration rather than later
         if self.logit_budget is None:
             return
-        self.base_lr = self.lr_for_budget(self.logit_budget, self._total_iterations(engine))
+        self.base_lr = self.lr_for_budget(self.logit_budget, total)
         logger.debug("%s learning rate %.3g from a logit budget of %g", self.name, self.base_lr, self.logit_budget)
 
     def lr_for_budget(self, budget: float, total_iterations: int) -> float:
