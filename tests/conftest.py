@@ -16,6 +16,16 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def hide_gpus(monkeypatch):
+    """Child processes started by the test (spawned gloo ranks) see no GPU, whatever the machine
+    (:data:`helpers.NO_GPUS`, which says why)."""
+    from helpers import NO_GPUS
+
+    for key, value in NO_GPUS.items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory):
     """task -> (raw_dir, prepared dataset dir): every task's fake raw data through `jcsaug prepare`, once."""

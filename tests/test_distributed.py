@@ -19,7 +19,7 @@ from monai.engines import SupervisedTrainer
 from monai.losses import DiceCELoss
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import NO_GPUS, env_without_gpus, lesion_batch, tiny_unet
+from helpers import env_without_gpus, lesion_batch, tiny_unet
 from jcsaug.data import make_synthetic_dataset
 from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater, shutdown_distributed
 from jcsaug.policy import make_tea_policy, make_tra_policy
@@ -83,9 +83,8 @@ def _train_rank(local_rank: int, out_dir: str) -> None:
     shutdown_distributed(net, destroy=False)
 
 
-def test_policies_stay_identical_on_two_gloo_ranks(tmp_path, monkeypatch):
-    for key, value in NO_GPUS.items():  # the spawned ranks run on the CPU also where CUDA is available
-        monkeypatch.setenv(key, value)
+@pytest.mark.usefixtures("hide_gpus")  # the spawned ranks run on the CPU also where CUDA is available
+def test_policies_stay_identical_on_two_gloo_ranks(tmp_path):
     with idist.Parallel(backend="gloo", nproc_per_node=2, master_port=_free_port()) as parallel:
         parallel.run(_train_rank, str(tmp_path))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

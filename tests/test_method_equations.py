@@ -21,7 +21,6 @@ import torch.distributed as dist
 from ignite.engine import Engine, Events
 from torch import nn
 
-from helpers import NO_GPUS
 from jcsaug.engine import (
     TEAPolicyUpdater,
     TRAPolicyUpdater,
@@ -520,10 +519,10 @@ def _gloo_rank(rank: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def test_collective_step_on_two_gloo_ranks_applies_the_mean(tmp_path, monkeypatch):
+@pytest.mark.usefixtures("hide_gpus")  # CPU ranks also where CUDA is available
+def test_collective_step_on_two_gloo_ranks_applies_the_mean(tmp_path):
     """Two processes, different local gradients and drawn ops: both apply the mean, masked by the union of the
-    drawn ops; a rank that skips joins the all-reduce and applies the other rank's gradient alone."""
-    for key, value in NO_GPUS.items():  # CPU ranks also where CUDA is available (spawned: a fork could inherit
-        monkeypatch.setenv(key, value)  # a CUDA context the test process made)
+    drawn ops; a rank that skips joins the all-reduce and applies the other rank's gradient alone. (The ranks are
+    spawned: a forked rank could inherit a CUDA context the test process made.)"""
     torch.multiprocessing.start_processes(_gloo_rank, args=(str(tmp_path),), nprocs=2, start_method="spawn")
     _check_ranks({r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)})
