@@ -370,6 +370,7 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TRA paired K=4": (TRAPolicyUpdater, {"estimator": "paired"}, 4),
     "TRA paired K=2, 6 val batches": (TRAPolicyUpdater, {"estimator": "paired", "val_batches": 6}, 2),
     "TRA paired K=2, batch-dice L_val": (TRAPolicyUpdater, {"estimator": "paired", "val_loss": "batch-dice"}, 2),
+    "TRA paired K=2, look-ahead 16": (TRAPolicyUpdater, {"estimator": "paired", "lookahead": 16}, 2),
     "TEA gumbel (paper)": (TEAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TEA paired": (TEAPolicyUpdater, {"estimator": "paired"}, 0),
     "TEA paired, 4 patches": (TEAPolicyUpdater, {"estimator": "paired", "patches": 4}, 0),

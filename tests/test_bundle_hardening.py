@@ -266,7 +266,7 @@ def test_every_bundle_runs_the_checks_and_guards(bundle, extra):
     [
         ("synthetic_lesion", ["tra_estimator", "tea_estimator", "tra_counterfactuals", "tra_logit_budget",
                               "tea_logit_budget", "val_batches", "val_average", "tea_patches", "tra_policy",
-                              "augment_on", "network_def#channels", "overwrite"]),
+                              "tra_lookahead", "augment_on", "network_def#channels", "overwrite"]),
         ("kits19_tumor", ["network", "network_kwargs", "tra_policy", "augment_on", "test_split", "cache_rate",
                           "overwrite", "train_fraction"]),
     ],

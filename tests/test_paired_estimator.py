@@ -217,8 +217,8 @@ def _oriented_batches(policy, lesion_axis: int, seed: int, n: int = 8, size: int
         )
 
 
-@pytest.mark.parametrize("estimator", ["paired", "gumbel"])
-def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estimator):
+@pytest.mark.parametrize(("estimator", "lookahead"), [("paired", 1), ("paired", 8), ("gumbel", 1)])
+def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estimator, lookahead):
     set_determinism(seed=0)
     net = tiny_unet()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -228,14 +228,15 @@ def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estima
     group = ClassGroupd("label")
     val = [list_data_collate([group(_oriented_sample(rng, 12, 2, i % 2 == 0)) for i in range(8)]) for _ in range(4)]
     updater = TRAPolicyUpdater(policy, net, val, opt, estimator=estimator, val_loss="batch-dice", logit_budget=6.0,
-                               seed=0, train_loss="ce+dice")  # fmt: skip
+                               seed=0, train_loss="ce+dice", lookahead=lookahead)  # fmt: skip
     engine = train_engine(net, opt)
     updater.attach(engine)
     engine.run(_oriented_batches(policy, lesion_axis=0, seed=0), max_epochs=1, epoch_length=40)
     set_determinism(None)
     end = policy.probabilities()[ROT90_FRONTAL[0]][:, ROT90_FRONTAL[1]]
     assert torch.isfinite(policy.logits).all() and updater.updates == 40
-    if estimator == "paired":  # the estimator finds the op that undoes the shift, in both class groups
+    if estimator == "paired":  # the estimator finds the op that undoes the shift, in both class groups (with and
+        # without the look-ahead beyond one step)
         assert (end > 2 * start).all(), (start, end)
     else:  # the paper's estimator still runs on the same task (it needs far more updates to find the op)
         assert updater.skipped < 40 and not torch.equal(end, start)

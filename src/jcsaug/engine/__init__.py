@@ -22,6 +22,7 @@ from jcsaug.engine.hypergradient import (
     normalise_hypergradient,
     register_hypergradient,
 )
+from jcsaug.engine.lookahead import NeumannLookAhead, hessian_vector_products
 from jcsaug.engine.losses import LOSSES, SegmentationLoss, get_loss, list_losses, register_loss
 from jcsaug.engine.modes import (
     TEA_MODES,
@@ -60,6 +61,7 @@ __all__ = [
     "TEAMode",
     "TRAMode",
     "get_hypergradient",
+    "hessian_vector_products",
     "get_tea_mode",
     "get_tra_mode",
     "list_hypergradients",
@@ -96,6 +98,7 @@ __all__ = [
     "PolicyExporter",
     "TEAPolicyUpdater",
     "TRAPolicyUpdater",
+    "NeumannLookAhead",
     "finite_difference_hypergradient",
     "get_loss",
     "jvp_hypergradient",

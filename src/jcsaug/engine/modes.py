@@ -256,11 +256,13 @@ class AugmentationSetup:
         tra_logit_budget: float | None = None,
         tea_logit_budget: float | None = None,
         tea_patches: int = 1,
+        tra_lookahead: float = 1,
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
 
         ``tra_logit_budget`` / ``tea_logit_budget`` (when not ``None``) replace ``tra_lr`` / ``tea_lr`` by a
-        learning rate derived from the run's length (see :class:`~jcsaug.engine.base.PolicyUpdater`)."""
+        learning rate derived from the run's length (see :class:`~jcsaug.engine.base.PolicyUpdater`);
+        ``tra_lookahead`` is the TRA updater's ``lookahead`` horizon (1: one step)."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(
@@ -268,6 +270,7 @@ class AugmentationSetup:
                 train_loss=train_loss, val_loss=val_loss, hypergradient=hypergradient,
                 tea_policy=self.tea_policy if self.learn_tea else None, seed=seed, estimator=self.tra_estimator,
                 val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
+                lookahead=tra_lookahead,
             )  # fmt: skip
         if self.learn_tea:
             tea = TEAPolicyUpdater(

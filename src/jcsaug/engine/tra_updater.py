@@ -19,6 +19,7 @@ from jcsaug.engine.base import (
     plain,
 )
 from jcsaug.engine.hypergradient import HYPERGRADIENTS, flat_norm, get_hypergradient, normalise_hypergradient
+from jcsaug.engine.lookahead import NeumannLookAhead
 from jcsaug.engine.losses import BATCH_LOSSES, PerSampleLoss, get_loss, main_output
 from jcsaug.engine.paired import OpEffects
 from jcsaug.ops.tea import apply_tea_ops
@@ -115,6 +116,12 @@ class TRAPolicyUpdater(PolicyUpdater):
         logit_budget: derive ``lr`` from the run's length (see :class:`PolicyUpdater`).
         cf_op_key: where ``TRACascaded`` stored the counterfactuals' (series, op) pairs (``"paired"``).
         effect_smoothing: weight of a new measurement in an op's running effect estimate (``"paired"``).
+        lookahead: horizon, in updates, of the look-ahead beyond one training step (beyond the paper):
+            ``v`` is replaced by a running Neumann series ``u = sum_j (I - alpha H)^j v`` over about that many
+            updates (:class:`jcsaug.engine.lookahead.NeumannLookAhead`, one Hessian-vector product of the
+            training loss per update), so ops are scored by their effect on the validation loss over several
+            steps, not just the next one. 1 (default) keeps the one-step estimate.
+        lookahead_step: the Neumann step ``alpha`` times the largest curvature of the training loss (in (0, 2)).
 
     Example: attached to your own Ignite loop (batches from a pipeline with ``ClassGroupd`` and ``TRACascaded``,
     which record ``class_group`` and ``tra_ops``)::
@@ -171,6 +178,8 @@ class TRAPolicyUpdater(PolicyUpdater):
         logit_budget: float | None = None,
         cf_op_key: str = DEFAULT_CF_OP_KEY,
         effect_smoothing: float = 0.1,
+        lookahead: float = 1,
+        lookahead_step: float = 0.5,
     ) -> None:
         super().__init__(
             policy, model, lr, update_every, poly_power, seed, name="TRA", logit_budget=logit_budget,
@@ -186,6 +195,9 @@ class TRAPolicyUpdater(PolicyUpdater):
             raise ValueError(f"val_average must be in (0, 1], got {val_average}")
         self.val_average = float(val_average)
         self._v_average: dict[str, torch.Tensor] | None = None
+        if float(lookahead) < 1:
+            raise ValueError(f"lookahead must be >= 1 update, got {lookahead}")
+        self.lookahead = NeumannLookAhead(lookahead, lookahead_step) if float(lookahead) > 1 else None
         self.cf_op_key = cf_op_key
         self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
         if meta_mode not in ("eval", "train"):
@@ -269,12 +281,26 @@ class TRAPolicyUpdater(PolicyUpdater):
         state = super().state_dict()
         if self._v_average is not None:
             state["val_gradient_average"] = {k: v.cpu() for k, v in self._v_average.items()}
+        if self.lookahead is not None:
+            state["lookahead"] = self.lookahead.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
         super().load_state_dict(state)
         average = state.get("val_gradient_average")
         self._v_average = None if average is None else {k: v.to(self.device) for k, v in average.items()}
+        if self.lookahead is not None and "lookahead" in state:
+            self.lookahead.load_state_dict(state["lookahead"], self.device)
+
+    def _look_ahead(
+        self, v: dict[str, torch.Tensor], image: torch.Tensor, label: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """``v`` -> the look-ahead direction ``u`` (the training batch gives the curvature)."""
+        try:
+            return self.lookahead(self.model, v, image, label, self.train_loss)
+        except FloatingPointError as err:
+            self.lookahead.load_state_dict({})  # start the series again
+            raise SkipUpdate(str(err)) from err
 
     def _counterfactuals(self, batch: Mapping, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(images [n*K, ...], labels [n*K, ...], cf_ops [n, K, 2])`` made by ``TRACascaded(counterfactuals=K)``."""
@@ -304,6 +330,7 @@ class TRAPolicyUpdater(PolicyUpdater):
             raise SkipUpdate("the training batch holds one class group only")
         image, label = self.prepare_batch(batch, self.device)
         n = image.shape[0]
+        train_image, train_label = image, label
         if paired:
             cf_images, cf_labels, cf_ops = self._counterfactuals(batch, n)
             image, label = torch.cat([image, cf_images]), torch.cat([label, cf_labels.to(label.dtype)])
@@ -311,6 +338,8 @@ class TRAPolicyUpdater(PolicyUpdater):
         self.model.train(self.meta_mode == "train")
         try:
             v = self._validation_gradient()
+            if self.lookahead is not None:
+                v = self._look_ahead(v, train_image, train_label)
             norm = flat_norm(v)
             if not torch.isfinite(norm) or norm == 0:
                 raise SkipUpdate(f"validation gradient norm is {float(norm)}")

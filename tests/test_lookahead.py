@@ -1,0 +1,134 @@
+"""The TRA look-ahead beyond one step (issue 10): Hessian-vector products, the running Neumann series and its
+fixed point, its scale-free step, its checkpointed state and its wiring into the TRA updater."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from helpers import lesion_batch, tiny_unet
+from jcsaug.engine import TRAPolicyUpdater
+from jcsaug.engine.lookahead import NeumannLookAhead, hessian_vector_products
+from jcsaug.policy import make_tra_policy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+method = pytest.mark.method
+
+
+def squared_error(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out - y) ** 2).flatten(1).mean(1)
+
+
+def flat(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in x.values()])
+
+
+def as_params(model: nn.Module, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+    out, start = {}, 0
+    for name, p in model.named_parameters():
+        out[name] = vector[start : start + p.numel()].reshape(p.shape)
+        start += p.numel()
+    return out
+
+
+@method
+def test_hessian_vector_products_are_the_full_hessian_times_the_vectors():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x, y = torch.randn(5, 3, dtype=torch.double), torch.randn(5, 2, dtype=torch.double)
+    theta = flat(dict(model.named_parameters())).detach()
+
+    def loss(vector):
+        return squared_error(functional_call(model, as_params(model, vector), (x,)), y).mean()
+
+    hessian = torch.autograd.functional.hessian(loss, theta)
+    vectors = [as_params(model, torch.randn_like(theta)) for _ in range(2)]
+    products = hessian_vector_products(model, x, y, squared_error, vectors)
+    for vec, hv in zip(vectors, products):
+        torch.testing.assert_close(flat(hv), hessian @ flat(vec))
+
+
+def quadratic_task(seed: int = 0):
+    """A linear model with squared error: H = 2 X^T X / (n d_out), known exactly."""
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 1, bias=False).double()
+    x = torch.randn(16, 4, dtype=torch.double) * torch.tensor([3.0, 1.0, 0.3, 0.1], dtype=torch.double)
+    y = torch.randn(16, 1, dtype=torch.double)
+    hessian = 2 * x.T @ x / len(x)
+    return model, x, y, hessian
+
+
+@method
+def test_the_running_series_converges_to_the_damped_inverse_with_a_scale_free_step():
+    model, x, y, hessian = quadratic_task()
+    v = {"weight": torch.tensor([[1.0, 1.0, 1.0, 1.0]], dtype=torch.double)}
+    lam = float(torch.linalg.eigvalsh(hessian).max())
+    for scale in (1.0, 100.0):  # the loss's scale does not change the series (alpha follows the curvature)
+        lookahead = NeumannLookAhead(horizon=8, step=0.5)
+
+        def scaled_loss(out, target, scale=scale):
+            return scale * squared_error(out, target)
+
+        for _ in range(200):
+            u = lookahead(model, {"weight": v["weight"] * scale}, x, y, scaled_loss)
+        assert lookahead.curvature == pytest.approx(scale * lam, rel=1e-6)
+        rho, alpha = 1 - 1 / 8, 0.5 / (scale * lam)
+        # fixed point of u = v + rho (I - alpha H) u
+        expected = torch.linalg.solve(torch.eye(4, dtype=torch.double) - rho * (torch.eye(4) - alpha * scale * hessian),
+                                      v["weight"].reshape(-1) * scale)  # fmt: skip
+        torch.testing.assert_close(u["weight"].reshape(-1), expected)
+    # flat directions are kept (x horizon), the sharpest damped: the direction differs from v's
+    eigvals, eigvecs = torch.linalg.eigh(hessian)
+    along = eigvecs.T @ u["weight"].reshape(-1) / (eigvecs.T @ v["weight"].reshape(-1) * 100)
+    assert along[0] > 7 and along[-1] < 2, along
+
+
+@method
+def test_horizon_one_is_the_one_step_estimate_and_bad_settings_are_refused():
+    model, x, y, _ = quadratic_task()
+    v = {"weight": torch.ones(1, 4, dtype=torch.double)}
+    lookahead = NeumannLookAhead(horizon=1)
+    assert lookahead(model, v, x, y, squared_error)["weight"] is v["weight"] and lookahead.u is None
+    for bad in ({"horizon": 0.5}, {"horizon": 4, "step": 0.0}, {"horizon": 4, "step": 2.0}):
+        with pytest.raises(ValueError, match="horizon" if "step" not in bad else "step"):
+            NeumannLookAhead(**bad)
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    assert TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt).lookahead is None
+    with pytest.raises(ValueError, match="lookahead must be >= 1"):
+        TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt, lookahead=0)
+
+
+@method
+def test_the_series_state_resumes_exactly():
+    model, x, y, _ = quadratic_task()
+    vs = [{"weight": torch.randn(1, 4, dtype=torch.double)} for _ in range(6)]
+    straight, resumed = NeumannLookAhead(horizon=4), NeumannLookAhead(horizon=4)
+    for v in vs[:3]:
+        straight(model, v, x, y, squared_error)
+    resumed.load_state_dict(straight.state_dict())
+    for v in vs[3:]:
+        torch.testing.assert_close(straight(model, v, x, y, squared_error), resumed(model, v, x, y, squared_error),
+                                   rtol=0, atol=0)  # fmt: skip
+
+
+@method
+def test_the_updater_scores_ops_along_the_look_ahead_direction_and_checkpoints_it():
+    torch.manual_seed(0)
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    val = [lesion_batch(4, seed=30)]
+    updater = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, val, opt, lookahead=8)
+    image, label = lesion_batch(4, seed=31)["image"], lesion_batch(4, seed=31)["label"]
+    v = updater._validation_gradient()
+    first = updater._look_ahead(v, image, label)
+    assert flat(first).equal(flat(v))  # no series yet: the first update is the one-step estimate
+    second = updater._look_ahead(updater._validation_gradient(), image, label)
+    assert not torch.allclose(flat(second), flat(v)) and updater.lookahead.curvature > 0
+    state = updater.state_dict()["lookahead"]
+    assert state["u"].keys() == v.keys()
+    restored = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, val, opt, lookahead=8)
+    restored.load_state_dict(updater.state_dict())
+    torch.testing.assert_close(flat(restored.lookahead.u), flat(updater.lookahead.u), rtol=0, atol=0)
