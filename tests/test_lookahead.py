@@ -1,4 +1,5 @@
-"""The TRA look-ahead beyond one step (issue 10): Hessian-vector products, the running Neumann series and its
+"""The TRA look-ahead beyond one step (issue 10): Hessian-vector products (twice differentiated and by finite
+differences), the running Neumann series and its
 fixed point, its scale-free step, its checkpointed state and its wiring into the TRA updater."""
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ def test_hessian_vector_products_are_the_full_hessian_times_the_vectors():
 
     hessian = torch.autograd.functional.hessian(loss, theta)
     vectors = [as_params(model, torch.randn_like(theta)) for _ in range(2)]
-    products = hessian_vector_products(model, x, y, squared_error, vectors)
-    for vec, hv in zip(vectors, products):
+    exact = hessian_vector_products(model, x, y, squared_error, vectors, exact=True)
+    differences = hessian_vector_products(model, x, y, squared_error, vectors, r=1e-6)
+    coarse = hessian_vector_products(model, x, y, squared_error, vectors)  # the default step, r = 0.01
+    for vec, hv, fd, fd_coarse in zip(vectors, exact, differences, coarse):
         torch.testing.assert_close(flat(hv), hessian @ flat(vec))
+        torch.testing.assert_close(flat(fd), hessian @ flat(vec), rtol=1e-4, atol=1e-6)
+        assert torch.nn.functional.cosine_similarity(flat(fd_coarse), hessian @ flat(vec), dim=0) > 0.999
 
 
 def quadratic_task(seed: int = 0):

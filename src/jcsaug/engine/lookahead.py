@@ -13,13 +13,14 @@ Directions the network has already learned (large curvature) are damped, slow di
 differ from the one-step estimate once the network fits the augmented samples it has seen.
 
 Why by hand: no maintained library computes a running inverse-Hessian-vector estimate for a live PyTorch training
-loop (``torch.func`` gives the Hessian-vector products used here).
+loop (the Hessian-vector products are finite differences of two gradients, as the DARTS-style TRA estimator
+itself; :func:`hessian_vector_products` also differentiates twice, ``exact=True``).
 
 :class:`NeumannLookAhead` spends one Hessian-vector product per update instead of ``K``: it carries ``u`` over
 updates, ``u_t = v_t + rho (I - alpha_t H_t) u_{t-1}`` with ``rho = 1 - 1/horizon``, so ``u_t`` is the Neumann
 series over the last ~``horizon`` updates (with their own ``v`` and ``H``, as a running average would). The step
 is scale-free: ``alpha_t = step / lambda_t``, ``lambda_t`` the largest curvature, tracked by a power iteration
-that shares the same double-backward pass, so ``alpha_t lambda_max ~ step < 2`` keeps the series bounded
+(one more gradient per update), so ``alpha_t lambda_max ~ step < 2`` keeps the series bounded
 whatever the loss's scale.
 """
 
@@ -30,7 +31,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from jcsaug.engine.hypergradient import flat_norm
+from jcsaug.engine.hypergradient import call_with, flat_norm
 from jcsaug.engine.losses import PerSampleLoss, main_output
 
 Vector = dict[str, torch.Tensor]
@@ -42,11 +43,48 @@ def hessian_vector_products(
     label: torch.Tensor,
     loss_fn: PerSampleLoss,
     vectors: list[Mapping[str, torch.Tensor]],
+    exact: bool = False,
+    r: float = 0.01,
 ) -> list[Vector]:
     """``H x`` for every ``x`` of ``vectors``, ``H`` the Hessian of the mean training loss on ``(image, label)``
-    with respect to the model's trainable parameters (one forward, one backward with graph, one double-backward
-    per vector)."""
+    with respect to the model's trainable parameters.
+
+    By default by finite differences of gradients, ``H x ~ (grad(theta + eps x) - grad(theta)) / eps`` with
+    ``eps = r / ||x||`` (one forward and backward pass per vector plus one shared: a conv net's double backward
+    costs several times that, see ``bench_policy_learning.py`` section 5); ``exact=True`` differentiates twice
+    (one forward, one backward with graph, one double backward per vector)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if exact:
+        return _exact_products(model, params, image, label, loss_fn, vectors)
+
+    def gradient_at(shift: Mapping[str, torch.Tensor] | None, eps: float) -> Vector:
+        point = {n: (p.detach() + eps * shift[n] if shift is not None else p.detach()).requires_grad_()
+                 for n, p in params.items()}  # fmt: skip
+        loss = loss_fn(main_output(call_with(model, point, image)), label).mean()
+        grads = torch.autograd.grad(loss, list(point.values()), allow_unused=True)
+        return {n: g if g is not None else torch.zeros_like(p) for (n, p), g in zip(params.items(), grads)}
+
+    base = gradient_at(None, 0.0)
+    out = []
+    for x in vectors:
+        norm = float(flat_norm(x))
+        if norm == 0:
+            out.append({n: torch.zeros_like(p) for n, p in params.items()})
+            continue
+        eps = r / norm
+        shifted = gradient_at(x, eps)
+        out.append({n: (shifted[n] - base[n]) / eps for n in params})
+    return out
+
+
+def _exact_products(
+    model: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    image: torch.Tensor,
+    label: torch.Tensor,
+    loss_fn: PerSampleLoss,
+    vectors: list[Mapping[str, torch.Tensor]],
+) -> list[Vector]:
     loss = loss_fn(main_output(model(image)), label).mean()
     grads = torch.autograd.grad(loss, list(params.values()), create_graph=True, allow_unused=True)
     used = [(name, g) for name, g in zip(params, grads) if g is not None and g.requires_grad]

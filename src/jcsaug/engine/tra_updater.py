@@ -118,8 +118,8 @@ class TRAPolicyUpdater(PolicyUpdater):
         effect_smoothing: weight of a new measurement in an op's running effect estimate (``"paired"``).
         lookahead: horizon, in updates, of the look-ahead beyond one training step (beyond the paper):
             ``v`` is replaced by a running Neumann series ``u = sum_j (I - alpha H)^j v`` over about that many
-            updates (:class:`jcsaug.engine.lookahead.NeumannLookAhead`, one Hessian-vector product of the
-            training loss per update), so ops are scored by their effect on the validation loss over several
+            updates (:class:`jcsaug.engine.lookahead.NeumannLookAhead`: three more forward-backward passes of
+            the training batch per update), so ops are scored by their effect on the validation loss over several
             steps, not just the next one. 1 (default) keeps the one-step estimate.
         lookahead_step: the Neumann step ``alpha`` times the largest curvature of the training loss (in (0, 2)).
 
