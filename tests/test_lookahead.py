@@ -48,11 +48,13 @@ def test_hessian_vector_products_are_the_full_hessian_times_the_vectors():
     vectors = [as_params(model, torch.randn_like(theta)) for _ in range(2)]
     exact = hessian_vector_products(model, x, y, squared_error, vectors, exact=True)
     differences = hessian_vector_products(model, x, y, squared_error, vectors, r=1e-6)
-    coarse = hessian_vector_products(model, x, y, squared_error, vectors)  # the default step, r = 0.01
-    for vec, hv, fd, fd_coarse in zip(vectors, exact, differences, coarse):
+    coarse = hessian_vector_products(model, x, y, squared_error, vectors, r=0.01)
+    default = hessian_vector_products(model, x, y, squared_error, vectors)  # sqrt(eps) (1 + ||theta||)
+    for vec, hv, fd, fd_coarse, fd_default in zip(vectors, exact, differences, coarse, default):
         torch.testing.assert_close(flat(hv), hessian @ flat(vec))
         torch.testing.assert_close(flat(fd), hessian @ flat(vec), rtol=1e-4, atol=1e-6)
         assert torch.nn.functional.cosine_similarity(flat(fd_coarse), hessian @ flat(vec), dim=0) > 0.999
+        torch.testing.assert_close(flat(fd_default), hessian @ flat(vec), rtol=1e-5, atol=1e-7)  # float64 step
 
 
 def quadratic_task(seed: int = 0):

@@ -44,15 +44,17 @@ def hessian_vector_products(
     loss_fn: PerSampleLoss,
     vectors: list[Mapping[str, torch.Tensor]],
     exact: bool = False,
-    r: float = 0.01,
+    r: float | None = None,
 ) -> list[Vector]:
     """``H x`` for every ``x`` of ``vectors``, ``H`` the Hessian of the mean training loss on ``(image, label)``
     with respect to the model's trainable parameters.
 
     By default by finite differences of gradients, ``H x ~ (grad(theta + eps x) - grad(theta)) / eps`` with
     ``eps = r / ||x||`` (one forward and backward pass per vector plus one shared: a conv net's double backward
-    costs several times that, see ``bench_policy_learning.py`` section 5); ``exact=True`` differentiates twice
-    (one forward, one backward with graph, one double backward per vector)."""
+    costs several times that, see ``bench_policy_learning.py`` section 5). The step's length ``r`` defaults to
+    the usual rule for finite-difference Jacobian-vector products, ``sqrt(machine epsilon) * (1 + ||theta||)``
+    (float32: 3.5e-4 x (1 + ||theta||)); ``exact=True`` differentiates twice (one forward, one backward with
+    graph, one double backward per vector)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if exact:
         return _exact_products(model, params, image, label, loss_fn, vectors)
@@ -64,6 +66,9 @@ def hessian_vector_products(
         grads = torch.autograd.grad(loss, list(point.values()), allow_unused=True)
         return {n: g if g is not None else torch.zeros_like(p) for (n, p), g in zip(params.items(), grads)}
 
+    if r is None:
+        dtype = next(iter(params.values())).dtype
+        r = torch.finfo(dtype).eps ** 0.5 * (1.0 + float(flat_norm({n: p.detach() for n, p in params.items()})))
     base = gradient_at(None, 0.0)
     out = []
     for x in vectors:
