@@ -139,3 +139,21 @@ def test_the_updater_scores_ops_along_the_look_ahead_direction_and_checkpoints_i
     restored = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, val, opt, lookahead=8)
     restored.load_state_dict(updater.state_dict())
     torch.testing.assert_close(flat(restored.lookahead.u), flat(updater.lookahead.u), rtol=0, atol=0)
+
+
+@method
+def test_a_non_finite_product_skips_the_update_and_restarts_the_series():
+    from jcsaug.engine.base import SkipUpdate
+
+    torch.manual_seed(0)
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    updater = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [lesion_batch(4, seed=30)], opt, lookahead=8)
+    batch = lesion_batch(4, seed=31)
+    v = updater._validation_gradient()
+    updater._look_ahead(v, batch["image"], batch["label"])
+    updater.lookahead.u = {k: torch.full_like(t, float("nan")) for k, t in updater.lookahead.u.items()}
+    with pytest.raises(SkipUpdate, match="non-finite look-ahead"):
+        updater._look_ahead(v, batch["image"], batch["label"])
+    assert updater.lookahead.u is None and updater.lookahead.w is None  # the next update starts afresh
+    assert flat(updater._look_ahead(v, batch["image"], batch["label"])).equal(flat(v))

@@ -156,6 +156,8 @@ class NeumannLookAhead:
             self.alpha = self.step / self.curvature
             hu = products[1]
             u = {k: v[k] + self.rho * (self.u[k] - self.alpha * hu[k]) for k in v}
+            if not all(bool(torch.isfinite(t).all()) for t in u.values()):
+                raise FloatingPointError("non-finite look-ahead direction (Hessian-vector product)")
         self.u = {k: t.detach() for k, t in u.items()}
         return u
 
