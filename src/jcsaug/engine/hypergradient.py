@@ -47,7 +47,7 @@ def call_with(model: nn.Module, tensors: Mapping[str, torch.Tensor], *args: torc
             store[key] = value
 
 
-def _losses_at(
+def losses_at(
     model: nn.Module,
     params: Mapping[str, torch.Tensor],
     buffers: Mapping[str, torch.Tensor],
@@ -55,6 +55,7 @@ def _losses_at(
     label: torch.Tensor,
     loss_fn: PerSampleLoss,
 ) -> torch.Tensor:
+    """Per-sample training losses ``[n]`` of ``model`` evaluated at ``params`` (with ``buffers``)."""
     return loss_fn(main_output(call_with(model, {**params, **buffers}, image)), label)
 
 
@@ -79,8 +80,8 @@ def finite_difference_hypergradient(
     with torch.no_grad():
         plus = {k: theta[k] + eps * v[k] for k in theta}
         minus = {k: theta[k] - eps * v[k] for k in theta}
-        l_plus = _losses_at(model, plus, buffers, image, label, loss_fn).double()
-        l_minus = _losses_at(model, minus, buffers, image, label, loss_fn).double()
+        l_plus = losses_at(model, plus, buffers, image, label, loss_fn).double()
+        l_minus = losses_at(model, minus, buffers, image, label, loss_fn).double()
     n = image.shape[0]
     return -lr * (l_plus - l_minus) / (2 * eps) / n
 
@@ -103,7 +104,7 @@ def jvp_hypergradient(
     names = list(theta)
 
     def losses(*flat: torch.Tensor) -> torch.Tensor:
-        return _losses_at(model, dict(zip(names, flat)), buffers, image, label, loss_fn)
+        return losses_at(model, dict(zip(names, flat)), buffers, image, label, loss_fn)
 
     with torch.no_grad():
         _, tangent = jvp(losses, tuple(theta[k] for k in names), tuple(v[k] for k in names))

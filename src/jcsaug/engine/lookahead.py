@@ -26,12 +26,13 @@ whatever the loss's scale.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
-from jcsaug.engine.hypergradient import call_with, flat_norm
+from jcsaug.engine.hypergradient import flat_norm, losses_at
 from jcsaug.engine.losses import PerSampleLoss, main_output
 
 Vector = dict[str, torch.Tensor]
@@ -59,10 +60,12 @@ def hessian_vector_products(
     if exact:
         return _exact_products(model, params, image, label, loss_fn, vectors)
 
+    buffers = dict(model.named_buffers())
+
     def gradient_at(shift: Mapping[str, torch.Tensor] | None, eps: float) -> Vector:
         point = {n: (p.detach() + eps * shift[n] if shift is not None else p.detach()).requires_grad_()
                  for n, p in params.items()}  # fmt: skip
-        loss = loss_fn(main_output(call_with(model, point, image)), label).mean()
+        loss = losses_at(model, point, buffers, image, label, loss_fn).mean()
         grads = torch.autograd.grad(loss, list(point.values()), allow_unused=True)
         return {n: g if g is not None else torch.zeros_like(p) for (n, p), g in zip(params.items(), grads)}
 
@@ -145,7 +148,7 @@ class NeumannLookAhead:
         products = hessian_vector_products(model, image, label, loss_fn, vectors)
         hw = products[0]
         curvature = float(flat_norm(hw))
-        if not torch.isfinite(torch.tensor(curvature)):
+        if not math.isfinite(curvature):
             raise FloatingPointError("non-finite Hessian-vector product in the look-ahead")
         if curvature > 0:
             self.w = _unit(hw)
