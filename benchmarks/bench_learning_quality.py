@@ -92,13 +92,14 @@ def prepare_dataset(out: Path, shift: str) -> tuple[Path, dict]:
 def run_one(
     mode: str, seed: int, data: Path, run_dir: Path, overrides: dict, device: str, reuse: bool, threads: int
 ) -> dict:
-    """One bundle run (skipped when ``reuse`` and its metrics exist) on ``threads`` CPU threads; returns its
-    parsed results."""
+    """One bundle run (skipped when ``reuse`` and its metrics exist, else replacing whatever ``run_dir`` holds) on
+    ``threads`` CPU threads; returns its parsed results."""
     metrics = run_dir / "metrics.json"
     if not (reuse and metrics.is_file()):
         args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(CONFIGS / "train.yaml"),
                 "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf"),
-                "--dataset_dir", str(data), "--output_dir", str(run_dir), "--seed", str(seed)]  # fmt: skip
+                "--dataset_dir", str(data), "--output_dir", str(run_dir), "--seed", str(seed),
+                "--overwrite", "true"]  # fmt: skip  # the folder is the benchmark's: a run left there is replaced
         if device != "auto":
             args += ["--device", f"$torch.device('{device}')"]
         for key, value in overrides.items():

@@ -251,3 +251,35 @@ def test_a_failing_case_is_recorded_and_the_others_are_evaluated(tmp_path, stric
     assert [r["case"] for r in written["per_case"]] == ["a.nii.gz", "c.nii.gz"] and written["mean_dice"] == 1.0
     assert written["failed_cases"] == [{"case": "bad.nii.gz", "error": "ValueError: cannot read bad.nii.gz: EOFError"}]
     assert (tmp_path / "per_case.csv").read_text().count("nii.gz") == 2
+
+
+class _DeviceSpy(_Oracle):
+    """Records the devices it is moved to (CI has no GPU: the call is what can be checked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moved_to: list[torch.device] = []
+
+    def to(self, *args, **kwargs):
+        self.moved_to.append(torch.device(args[0] if args else kwargs["device"]))
+        return super().to(*args, **kwargs)
+
+
+def test_evaluation_and_prediction_move_the_network_to_their_device(tmp_path):
+    """A bundle's evaluate / inference config passes ``network_def``, built on the CPU, with ``device`` cuda:
+    both functions move the network there (on a GPU they failed with 'Input type (torch.cuda.FloatTensor) and
+    weight type (torch.FloatTensor) should be the same')."""
+    from jcsaug.inference import predict_cases
+
+    data = {"image": torch.ones(1, 4, 4, 4), "label": torch.ones(1, 4, 4, 4)}
+    network = _DeviceSpy()
+    evaluate_cases(network, [{"image": "x"}], lambda e: data, {"none": SimpleInferer()}, 2, device="cpu",
+                   spacing=1.0, progress=False)  # fmt: skip
+    assert network.moved_to == [torch.device("cpu")] and not network.training
+
+    path = tmp_path / "case.nii.gz"
+    nib.save(nib.Nifti1Image(np.ones((4, 4, 4), np.float32), np.eye(4)), path)
+    network = _DeviceSpy()
+    written = predict_cases(network, [{"image": str(path)}], SimpleInferer(), tmp_path / "out", device="cpu",
+                            progress=False)  # fmt: skip
+    assert network.moved_to == [torch.device("cpu")] and not network.training and written[0].is_file()

@@ -166,7 +166,7 @@ def evaluate_cases(
     """Dice, sensitivity, precision and HD95 of every case under every inferer; returns the metrics dict.
 
     Args:
-        network: the trained network (put in eval mode here).
+        network: the trained network (moved to ``device`` and put in eval mode here).
         cases: datalist entries (e.g. ``{"image": path, "label": path}``).
         load: transform turning an entry into tensors (``LoadImaged`` ... ``EnsureTyped``).
         inferers: method name -> inferer, e.g. ``{"none": NoTTAInferer(sw), "learned_tea": ...}``.
@@ -194,7 +194,7 @@ def evaluate_cases(
     if not cases:
         raise ValueError("no cases to evaluate")
     device = torch.device(device)
-    network.eval()
+    network.to(device).eval()  # a network built on the CPU (a bundle's network_def) follows its inputs to the GPU
     per_method: dict[str, list[dict]] = {name: [] for name in inferers}
     unknown_spacing: list[str] = []
     failed: list[dict] = []

@@ -27,7 +27,7 @@ def predict_cases(
 
     Images are read in ``orientation`` (RAS, as in training; ``None`` keeps the stored axes) and passed through
     ``preprocess`` (e.g. the dataset's intensity normalisation); the saved label carries the image's affine,
-    so it overlays the input image in any viewer.
+    so it overlays the input image in any viewer. The network is moved to ``device`` and put in eval mode.
     """
     steps = [LoadImaged(image_key, image_only=True), EnsureChannelFirstd(image_key)]
     if orientation:
@@ -39,7 +39,7 @@ def predict_cases(
         output_dir=str(output_dir), output_postfix="seg", separate_folder=False, resample=False, print_log=False
     )
     written = []
-    network.eval()
+    network.to(device).eval()  # a network built on the CPU (a bundle's network_def) follows its inputs to the GPU
     with torch.no_grad():
         for entry in tqdm(cases, desc="predict", disable=not progress):
             if image_key not in entry:
