@@ -1,0 +1,180 @@
+"""What each TEA op is worth at test time to a trained network, against the rank the learned TEA gave it.
+
+For every trained run of the synthetic bundle given and every op of the TEA catalogue (SPEC §3), the mean Dice over
+a split's volumes of
+
+* **pair**: the identity's and the op's mapped-back logits averaged (``TEAInferer([identity, op])``), and
+* **alone**: the op's copy alone (``TEAInferer([op])``: transform, segment, map back),
+
+each minus the plain prediction's Dice, in points. Printed per run: the ops ranked by the pair's gain, each with its
+rank in the run's learned TEA policy (``policies.json``, when it has one); the ops that undo the dataset's shift
+(``dataset.json`` ``domain_shift``) with both gains and both ranks; Spearman's rank correlation between the learned
+probabilities and the pair gains over the catalogue. With ``--patch-size``, also each op's effect on lesion-centred
+patches of that size, as the TEA updater measures it (the soft Dice loss of the op's mapped-back prediction minus
+the plain one's, x 100: negative helps). A Markdown table of the shift-undoing ops goes to ``--out``.
+
+It answers whether a TEA op the learned policy leaves out (issue 10: ``gamma_compress_0.5`` on the default shift)
+would have helped the trained network — a miss of the learner — or not — a target the trained network has no use
+for. Every op is evaluated on the same volumes with the bundle's own sliding-window inferer, network and loading.
+
+    python benchmarks/bench_tea_op_value.py --dataset-dir DATA --run-dir RUN [RUN ...]   # e.g. the runs and data
+    # written by bench_learning_quality.py: OUT/data_default, OUT/runs/default/class-specific+joint/seed0 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from monai.bundle import ConfigParser
+from monai.data import load_decathlon_datalist
+from monai.transforms import RandCropByPosNegLabeld
+from scipy.stats import spearmanr
+from tqdm.auto import tqdm
+
+from jcsaug.engine import latest_checkpoint, load_checkpoint
+from jcsaug.engine.tea_updater import soft_dice_loss
+from jcsaug.evaluation.segmentation import case_dice
+from jcsaug.inference import NoTTAInferer, TEAInferer
+from jcsaug.ops.tea import TEA_OPS
+
+CONFIG = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
+
+
+def op_gains(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.Tensor]], sw, num_classes: int,
+             device: torch.device, progress: bool = True) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """``{op name: (pair gain, alone gain)}`` in Dice points over ``volumes`` (``[1, 1, ...]`` image and label)."""
+    plain_logits = [NoTTAInferer(sw)(image.to(device), network).float() for image, _ in volumes]
+    plain = statistics.fmean(statistics.fmean(case_dice(p.cpu(), y, num_classes)) for p, (_, y) in
+                             zip(plain_logits, volumes))  # fmt: skip
+    gains = {}
+    for op in tqdm(TEA_OPS[1:], desc="TEA ops", disable=not progress):
+        pair, alone = [], []
+        for p, (image, label) in zip(plain_logits, volumes):
+            mapped = TEAInferer([op], base_inferer=sw)(image.to(device), network).float()
+            # TEAInferer([identity, op]) with equal weights averages the same two logits (average="logits")
+            pair.append(statistics.fmean(case_dice(((p + mapped) / 2).cpu(), label, num_classes)))
+            alone.append(statistics.fmean(case_dice(mapped.cpu(), label, num_classes)))
+        gains[op.name] = (100 * (statistics.fmean(pair) - plain), 100 * (statistics.fmean(alone) - plain))
+    return gains
+
+
+def lesion_patches(volumes: list[tuple[torch.Tensor, torch.Tensor]], size: list[int], count: int,
+                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """``count`` lesion-centred patches of ``size`` (MONAI's ``RandCropByPosNegLabeld``, seeded), in turn from each
+    volume, ``[1, 1, ...]`` each."""
+    crop = RandCropByPosNegLabeld(["image", "label"], "label", size, pos=1, neg=0, num_samples=1, allow_smaller=True)
+    crop.set_random_state(seed)
+    patches = []
+    for i in range(count):
+        image, label = volumes[i % len(volumes)]
+        out = crop({"image": image[0], "label": label[0]})[0]
+        patches.append((torch.as_tensor(out["image"])[None], torch.as_tensor(out["label"])[None]))
+    return patches
+
+
+def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, torch.Tensor]],
+                  device: torch.device) -> dict[str, float]:  # fmt: skip
+    """``{op name: mean change of the soft Dice loss (x 100; < 0: the op helps)}`` of each op's mapped-back
+    prediction against the plain one on the same patch: what the TEA updater measures (``paired``)."""
+    images = torch.cat([x for x, _ in patches]).to(device)
+    labels = torch.cat([y for _, y in patches]).to(device)
+    plain = soft_dice_loss(torch.softmax(network(images).float(), 1), labels)
+    effects = {}
+    for op in TEA_OPS[1:]:
+        mapped = TEAInferer([op])(images, network).float()
+        effects[op.name] = 100 * float((soft_dice_loss(torch.softmax(mapped, 1), labels) - plain).mean())
+    return effects
+
+
+def learned_ranks(run_dir: Path) -> dict[str, tuple[int, float]]:
+    """``{op name: (rank, probability)}`` of the run's learned TEA policy (``policies.json``); empty when it has
+    none. Ranked as ``bench_learning_quality.py`` ranks them."""
+    path = run_dir / "policies.json"
+    tea = json.loads(path.read_text()).get("tea") if path.is_file() else None
+    if not tea:
+        return {}
+    ops = sorted(tea["ops"], key=lambda o: -o["probability"])
+    return {o["name"]: (rank + 1, o["probability"]) for rank, o in enumerate(ops)}
+
+
+def main(argv: list[str] | None = None) -> list[tuple]:
+    """Run the benchmark; returns the rows of the shift-undoing ops' table (run, op, gains, rank, learned rank)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", nargs="+", type=Path, required=True, help="trained runs of the synthetic bundle")
+    parser.add_argument("--dataset-dir", type=Path, required=True, help="the runs' dataset (make_synthetic_dataset)")
+    parser.add_argument("--split", default="test", choices=("test", "validation"))
+    parser.add_argument("--top", type=int, default=12, help="ops printed per run, by pair gain")
+    parser.add_argument("--patch-size", type=int, nargs=3, default=None, metavar=("X", "Y", "Z"),
+                        help="also each op's effect on lesion-centred patches of this size (soft Dice loss, as the "
+                        "TEA updater scores ops)")  # fmt: skip
+    parser.add_argument("--patches", type=int, default=48, help="patches for --patch-size")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=None, help="Markdown table of the shift-undoing ops")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    config = ConfigParser()
+    config.read_config(str(CONFIG))
+    config["dataset_dir"] = str(args.dataset_dir)
+    load = config.get_parsed_content("load")
+    num_classes = config["num_classes"]
+    sw = config.get_parsed_content("sw_inferer")
+    datalist = args.dataset_dir / "dataset.json"
+    cases = load_decathlon_datalist(datalist, data_list_key=args.split, base_dir=args.dataset_dir)
+    volumes = [(d["image"].unsqueeze(0), d["label"].unsqueeze(0)) for d in map(load, cases)]
+    undoing = [names for names in json.loads(datalist.read_text())["domain_shift"]["undone_by"]["tea"]]
+    print(f"{len(volumes)} {args.split} volumes of {tuple(volumes[0][0].shape[2:])}; shift undone by TEA {undoing}")
+
+    patches = lesion_patches(volumes, args.patch_size, args.patches) if args.patch_size else None
+    rows = []
+    for run_dir in args.run_dir:
+        network = config.get_parsed_content("network_def", instantiate=True, lazy=False).to(device)
+        checkpoint = latest_checkpoint(run_dir)
+        load_checkpoint(checkpoint, {"network": network}, map_location=device)
+        network.eval()
+        with torch.no_grad():
+            gains = op_gains(network, volumes, sw, num_classes, device)
+            on_patches = patch_effects(network, patches, device) if patches else {}
+        ranks = learned_ranks(run_dir)
+        by_pair = sorted(gains, key=lambda n: -gains[n][0])
+        true_rank = {name: i + 1 for i, name in enumerate(by_pair)}
+        print(f"\n{checkpoint}")
+        patch_head = f" {'patch loss':>10}" if on_patches else ""
+        print(f"  {'op':<28} {'pair':>7} {'alone':>7}{patch_head} {'learned rank':>13}")
+
+        for name in by_pair[: args.top]:
+            learned = f"{ranks[name][0]:>13}" if ranks else f"{'-':>13}"
+            patch = f" {on_patches[name]:>+10.2f}" if on_patches else ""
+            print(f"  {name:<28} {gains[name][0]:>+7.2f} {gains[name][1]:>+7.2f}{patch} {learned}")
+        if ranks:
+            names = list(gains)
+            rho = spearmanr([ranks[n][1] for n in names], [gains[n][0] for n in names]).statistic
+            print(f"  Spearman(learned probability, pair gain) over {len(names)} ops: {rho:+.2f}")
+        for names in undoing:
+            best = max(names, key=lambda n: gains[n][0])
+            learned_rank = min(ranks[n][0] for n in names) if ranks else None
+            patch = f", patch loss {on_patches[best]:+.2f}" if on_patches else ""
+            print(f"  shift-undoing {best}: pair {gains[best][0]:+.2f}, alone {gains[best][1]:+.2f}{patch}, rank by "
+                  f"pair gain {true_rank[best]}, learned rank {learned_rank if ranks else '-'}")  # fmt: skip
+            rows.append((run_dir, best, gains[best], true_rank[best], learned_rank))
+
+    if args.out:
+        lines = ["| run | shift-undoing TEA op | pair gain | alone gain | rank by pair gain | learned rank |",
+                 "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r} | `{n}` | {g[0]:+.2f} | {g[1]:+.2f} | {t} | {lr if lr is not None else '-'} |"
+                  for r, n, g, t, lr in rows]  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+        print(f"\nwritten: {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

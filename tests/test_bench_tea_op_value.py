@@ -1,0 +1,94 @@
+"""The TEA op-value benchmark: known answers with a network that commutes with every flip and quarter turn."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import load_benchmark
+from jcsaug.data import make_synthetic_dataset
+from jcsaug.ops.tea import TEA_OPS
+
+#: ops with an exact inverse that a voxel-wise network commutes with: their copies predict what the plain image does
+EXACT = [op.name for op in TEA_OPS if op.kind in ("flip", "rot90")]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("bench_tea_op_value")
+
+
+class _Voxelwise(torch.nn.Module):
+    """Logits from each voxel alone (a 1x1x1 convolution): commutes with flips and quarter turns, not with intensity
+    changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(1, 2, 1)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.tensor([-4.0, 4.0]).view(2, 1, 1, 1, 1))
+            self.conv.bias.copy_(torch.tensor([1.0, -1.0]))
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def _volumes(n=2, size=16):
+    volumes = []
+    for i in range(n):
+        label = torch.zeros(1, 1, size, size, size)
+        label[..., 3 + i : 9 + i, 4:8, 5:12] = 1
+        volumes.append((label * 1.0 + 0.1 * torch.randn(label.shape, generator=torch.Generator().manual_seed(i)),
+                        label))  # fmt: skip
+    return volumes
+
+
+def test_ops_the_network_commutes_with_gain_nothing_on_volumes_and_patches(bench):
+    torch.manual_seed(0)
+    from monai.inferers import SimpleInferer
+
+    net, volumes = _Voxelwise().eval(), _volumes()
+    with torch.no_grad():
+        gains = bench.op_gains(net, volumes, SimpleInferer(), 2, torch.device("cpu"), progress=False)
+        patches = bench.lesion_patches(volumes, [8, 8, 8], 5)
+        effects = bench.patch_effects(net, patches, torch.device("cpu"))
+    assert set(gains) == set(effects) == {op.name for op in TEA_OPS[1:]}
+    for name in EXACT:  # mapped back exactly: a missing or wrong inverse breaks this
+        assert gains[name] == pytest.approx((0.0, 0.0), abs=1e-9), name
+        assert effects[name] == pytest.approx(0.0, abs=1e-5), name
+    assert gains["noise_0.125"] != (0.0, 0.0) and effects["gamma_expand_0.5"] != 0.0  # the others do change it
+    assert len(patches) == 5 and all(x.shape == y.shape == (1, 1, 8, 8, 8) for x, y in patches)
+    assert all(y[0, 0, 4, 4, 4] == 1 for _, y in patches)  # lesion-centred
+
+
+def test_main_ranks_ops_and_reads_the_learned_ranks(bench, tmp_path, capsys):
+    """End to end on a tiny dataset: a run folder with a checkpoint of the bundle's network and a policies.json."""
+    torch.set_num_threads(1)
+    data, run = tmp_path / "data", tmp_path / "run"
+    make_synthetic_dataset(data, num_train=1, num_val=1, num_test=1, shape=(32, 32, 32), progress=False)
+    from monai.bundle import ConfigParser
+
+    config = ConfigParser()
+    config.read_config(str(bench.CONFIG))
+    torch.manual_seed(0)
+    run.mkdir()
+    torch.save({"network": config.get_parsed_content("network_def", lazy=False).state_dict()},
+               run / "checkpoint_final_iteration=1.pt")  # fmt: skip
+    probs = {op.name: 1.0 / (op.id + 1) for op in TEA_OPS}  # the learned rank of op k is k + 1
+    (run / "policies.json").write_text(json.dumps({"tea": {"ops": [{"name": n, "probability": p}
+                                                                   for n, p in probs.items()]}}))  # fmt: skip
+    out = tmp_path / "table.md"
+    rows = bench.main(["--dataset-dir", str(data), "--run-dir", str(run), "--top", "3", "--patch-size", "16", "16",
+                       "16", "--patches", "2", "--out", str(out)])  # fmt: skip
+    undoing = ["rotate_frontal_cw_90", "mirror_sagittal", "gamma_compress_0.5"]  # the default shift's, best first
+    assert [r[1] for r in rows][1:] == undoing[1:] and rows[0][1] in ("rotate_frontal_acw_90", undoing[0])
+    names = [op.name for op in TEA_OPS]
+    for _, name, _, rank, learned in rows:
+        assert 1 <= rank <= len(TEA_OPS) - 1
+        assert learned == min(names.index(n) + 1 for n in ([name] if "90" not in name else
+                                                             ["rotate_frontal_acw_90", "rotate_frontal_cw_90"]))
+    printed = capsys.readouterr().out
+    assert "Spearman(learned probability, pair gain)" in printed and "patch loss" in printed
+    assert out.read_text().count("\n") == 2 + len(rows)
