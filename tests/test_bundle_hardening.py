@@ -266,7 +266,8 @@ def test_every_bundle_runs_the_checks_and_guards(bundle, extra):
     [
         ("synthetic_lesion", ["tra_estimator", "tea_estimator", "tra_counterfactuals", "tra_logit_budget",
                               "tea_logit_budget", "val_batches", "val_average", "tea_patches", "tra_policy",
-                              "tra_lookahead", "augment_on", "network_def#channels", "overwrite"]),
+                              "tra_lookahead", "tea_patch_size", "augment_on", "network_def#channels",
+                              "overwrite"]),
         ("kits19_tumor", ["network", "network_kwargs", "tra_policy", "augment_on", "test_split", "cache_rate",
                           "overwrite", "train_fraction"]),
     ],
@@ -277,3 +278,25 @@ def test_the_settings_of_issues_10_and_13_are_known_override_ids(bundle, ids):
     for key in ids:
         argv += [f"--{key}", "1"]
     check_override_ids(argv)
+
+
+@pytest.mark.parametrize(
+    ("tea_patch_size", "expected"),
+    [(None, [24, 24, 24]), ([16, 16, 16], [16, 16, 16]), ([48, 48, 48], [32, 32, 32])],
+)
+def test_the_tea_scores_its_ops_on_patches_of_tea_patch_size(monkeypatch, tmp_path, dataset, tea_patch_size,
+                                                             expected):  # fmt: skip
+    """Issue 10: the TEA updater reads ``tea_val_loader`` — lesion-centred validation patches of ``tea_patch_size``
+    (None: ``patch_size``; larger than the volume: the volume whole) — while the TRA keeps ``val_loader``'s."""
+    from jcsaug.policy.transforms import centre_class
+
+    parser = _workflow(monkeypatch, tmp_path, dataset, tea_patch_size=tea_patch_size).parser
+    tea_loader, val_loader = parser.get_parsed_content("tea_val_loader"), parser.get_parsed_content("val_loader")
+    for batch in tea_loader:
+        assert list(batch["image"].shape[2:]) == list(batch["label"].shape[2:]) == expected
+        assert bool((batch["label"] != 0).any())
+        if expected != [32, 32, 32]:
+            assert centre_class(batch["label"][0]) == 1
+    assert list(next(iter(val_loader))["image"].shape[2:]) == [24, 24, 24]
+    updaters = parser.get_parsed_content("policy_updaters")
+    assert updaters.tea.val_stream.loader is tea_loader and updaters.tra.val_stream.loader is val_loader

@@ -257,12 +257,16 @@ class AugmentationSetup:
         tea_logit_budget: float | None = None,
         tea_patches: int = 1,
         tra_lookahead: float = 1,
+        tea_val_loader: Iterable | None = None,
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
 
         ``tra_logit_budget`` / ``tea_logit_budget`` (when not ``None``) replace ``tra_lr`` / ``tea_lr`` by a
         learning rate derived from the run's length (see :class:`~jcsaug.engine.base.PolicyUpdater`);
-        ``tra_lookahead`` is the TRA updater's ``lookahead`` horizon (1: one step)."""
+        ``tra_lookahead`` is the TRA updater's ``lookahead`` horizon (1: one step). ``tea_val_loader``: the
+        validation patches the TEA updater scores its ops on (default ``val_loader``); patches larger than the
+        training patches (whole volumes where they fit) score the ops closer to how they act at test time, on the
+        whole image: an intensity op rescales by the image's range, a spatial op has fewer patch borders."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(
@@ -274,9 +278,9 @@ class AugmentationSetup:
             )  # fmt: skip
         if self.learn_tea:
             tea = TEAPolicyUpdater(
-                self.tea_policy, model, val_loader, lr=tea_lr, update_every=tea_update_every,
-                num_copies=num_copies, seed=seed, estimator=self.tea_estimator, logit_budget=tea_logit_budget,
-                patches=tea_patches,
+                self.tea_policy, model, val_loader if tea_val_loader is None else tea_val_loader, lr=tea_lr,
+                update_every=tea_update_every, num_copies=num_copies, seed=seed, estimator=self.tea_estimator,
+                logit_budget=tea_logit_budget, patches=tea_patches,
             )  # fmt: skip
         return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea)
 
