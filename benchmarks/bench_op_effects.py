@@ -59,7 +59,7 @@ from monai.bundle import ConfigParser
 from monai.data import load_decathlon_datalist
 
 from jcsaug.engine.hypergradient import flat_norm, jvp_hypergradient
-from jcsaug.engine.losses import BATCH_LOSSES, get_loss
+from jcsaug.engine.losses import chunked_loss, get_loss
 from jcsaug.ops.tra import (
     TRA_SERIES,
     TRA_SERIES_NAMES,
@@ -70,7 +70,6 @@ from jcsaug.ops.tra import (
 )
 from jcsaug.policy import make_tra_policy
 from jcsaug.policy.categorical import CategoricalPolicy
-from jcsaug.registry import UnknownNameError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
@@ -261,16 +260,6 @@ def apply_params(
     return out_i["image"], out_l["label"]
 
 
-def validation_loss(name: str) -> Callable[[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]:
-    """The bundle's ``val_loss`` over one batch: a batch loss (``batch-dice``), or the mean of a per-sample one."""
-    try:
-        return BATCH_LOSSES.get(name)
-    except UnknownNameError:
-        pass
-    per_sample = get_loss(name)
-    return lambda chunks: torch.cat([per_sample(out, y) for out, y in chunks]).mean()
-
-
 def validation_directions(
     model: torch.nn.Module, batches_per_direction: Sequence[Sequence[tuple]], val_loss: Callable
 ) -> list[Direction]:
@@ -425,7 +414,7 @@ def measure_state(
     device = torch.device(args.device)
     model = build_network(parser, checkpoint, device)
     batches = direction_batches(parser, val, args.val_directions, args.seed + 1)
-    val_loss = validation_loss(parser["val_loss"])
+    val_loss = chunked_loss(parser["val_loss"])  # the TRA updater's L_val
     directions = validation_directions(model, batches, val_loss)
     with torch.no_grad():
         loss = np.mean([float(val_loss([(model(x.to(device)), y.to(device))])) for b in batches for x, y in b])

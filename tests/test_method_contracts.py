@@ -964,3 +964,21 @@ def test_the_schedule_is_planned_over_max_iters_and_an_unknown_run_length_is_ref
     recorded.clear()
     engine.run(no_length(), max_epochs=1)
     assert updater.updates == 3 and recorded == [0.1, 0.1, 0.1]
+
+
+def test_per_sample_validation_loss_is_the_mean_over_samples_whatever_the_chunks():
+    """``chunked_loss`` (the updater's L_val and ``bench_op_effects.py``'s): a per-sample loss averages over every
+    sample of the chunks (a chunk of 1 and one of 3 weigh 1 : 3), a batch loss is passed through."""
+    from jcsaug.engine.losses import BATCH_LOSSES, chunked_loss, per_sample_dice
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(4, 2, 4, 4, 4), (torch.rand(4, 1, 4, 4, 4) > 0.5).long()
+    chunks = [(logits[:1], labels[:1]), (logits[1:], labels[1:])]
+    torch.testing.assert_close(chunked_loss("dice")(chunks), per_sample_dice(logits, labels).mean())
+    assert chunked_loss("batch-dice") is BATCH_LOSSES.get("batch-dice")
+    net = _Threshold()
+    updater = TRAPolicyUpdater(CategoricalPolicy([2]), net, [], torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1))
+    image, label = _octant_patch()
+    two = [(image[None], label[None]), (torch.cat([image[None], image[None] * 0.5]), torch.cat([label[None]] * 2))]
+    expected = torch.cat([per_sample_dice(net(x), y) for x, y in two]).mean()
+    torch.testing.assert_close(updater._validation_loss(two), expected)

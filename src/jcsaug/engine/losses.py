@@ -99,6 +99,19 @@ def get_loss(name: str | PerSampleLoss) -> PerSampleLoss:
     return name if callable(name) else LOSSES.get(name)
 
 
+ChunkedLoss = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]
+
+
+def chunked_loss(name: str | PerSampleLoss) -> ChunkedLoss:
+    """A validation loss over ``[(logits, label), ...]`` chunks of one batch, by name: a batch loss of
+    :data:`BATCH_LOSSES` (``batch-dice``: one soft Dice over all chunks) as it is, else the mean over all samples of
+    the per-sample loss :func:`get_loss` gives (the mean over samples, whatever the chunks' sizes)."""
+    if isinstance(name, str) and name in BATCH_LOSSES:
+        return BATCH_LOSSES.get(name)
+    per_sample = get_loss(name)
+    return lambda chunks: sum(per_sample(out, y).sum() for out, y in chunks) / sum(y.shape[0] for _, y in chunks)
+
+
 class SegmentationLoss(torch.nn.Module):
     """The model's training loss by name (``ce``, ``dice``, ``ce+dice``): the batch mean of the same per-sample
     loss the policy updates use, so training and hypergradients agree.
