@@ -20,6 +20,9 @@ the mode's overrides, ``seed`` and ``--set`` overrides. The modes (:data:`MODES`
   0.5, the op 0.5; random-sign "partial" ops keep the preset), *read from the dataset's own metadata*
   (``dataset.json`` ``domain_shift.undone_by``), and mirroring TTA: what knowing the answer is worth (the
   ceiling);
+* ``oracle-background+mirror``, ``oracle-lesion+mirror``: the oracle in one class group only (background- or
+  lesion-centred patches; the other group keeps the heuristic), as a fixed TRA policy: whether a class-specific
+  policy needs the shift-undoing ops in both groups;
 * ``paper``: class-specific + joint with the paper's estimators (Gumbel straight-through, policy-sampled TEA
   copies) and the bundle's former fixed learning rates;
 * ``learned+joint``: one TRA policy for all patches (not class-specific) + joint TEA;
@@ -55,6 +58,9 @@ MODES: dict[str, dict[str, str]] = {
     "heuristic+mirror": {"tra_mode": "heuristic", "tea_mode": "heuristic"},
     "class-specific+joint": {"tra_mode": "class-specific", "tea_mode": "joint"},
     "oracle+mirror": {"tra_mode": "heuristic", "tea_mode": "heuristic"},
+    # the oracle in one class group only (the other keeps the heuristic): a fixed two-group TRA policy file
+    "oracle-background+mirror": {"tra_mode": "fixed", "tea_mode": "heuristic"},
+    "oracle-lesion+mirror": {"tra_mode": "fixed", "tea_mode": "heuristic"},
     "paper": {
         "tra_mode": "class-specific", "tea_mode": "joint", "tra_estimator": "gumbel", "tea_estimator": "gumbel",
         "tra_logit_budget": "None", "tea_logit_budget": "None", "tra_lr": "0.02", "tea_lr": "0.01",
@@ -79,6 +85,24 @@ def oracle_preset(undone_by: dict) -> dict:
         probs[0], probs[series.index_of(entry["op"])] = 0.5, 0.5
         preset[entry["series"]] = probs
     return preset
+
+
+#: the per-group oracle modes -> the class group (0 background-, 1 lesion-centred patches) that gets the oracle
+ORACLE_GROUP_MODES = {"oracle-background+mirror": 0, "oracle-lesion+mirror": 1}
+
+
+def oracle_group_policy_file(out: Path, undone_by: dict, group: int) -> Path:
+    """A ``policies.json`` whose TRA policy is the oracle (:func:`oracle_preset`) in class group ``group`` and the
+    nnU-Net preset in the other, for ``tra_mode fixed``: does that group need the shift-undoing ops?"""
+    import torch
+
+    from jcsaug.policy import make_tra_policy
+    from jcsaug.policy.io import save_policies
+
+    policy, oracle = make_tra_policy("nnunet", num_groups=2), make_tra_policy(oracle_preset(undone_by), num_groups=2)
+    with torch.no_grad():
+        policy.logits[group] = oracle.logits[group]
+    return save_policies(out / f"oracle_group{group}_policies.json", policy)
 
 
 def prepare_dataset(out: Path, shift: str) -> tuple[Path, dict]:
@@ -184,6 +208,8 @@ def main() -> None:
         overrides = {**MODES[mode], **common}
         if mode == "oracle+mirror":
             overrides["tra_preset"] = json.dumps(oracle_preset(undone_by))
+        if mode in ORACLE_GROUP_MODES:
+            overrides["tra_policy"] = oracle_group_policy_file(args.out, undone_by, ORACLE_GROUP_MODES[mode])
         for seed in args.seeds:
             jobs.append((mode, seed, data, args.out / "runs" / args.shift / mode / f"seed{seed}", overrides))
     print(f"shift {args.shift!r}: undone by TRA {undone_by['tra']} / TEA {undone_by['tea']}; {len(jobs)} runs")

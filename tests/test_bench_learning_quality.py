@@ -38,6 +38,26 @@ def test_oracle_sets_each_undoing_op_to_one_half_in_a_real_policy(bench, shift):
             assert policy.probabilities()[s].tolist() == nnunet.probabilities()[s].tolist()
 
 
+@pytest.mark.parametrize("group", [0, 1])
+def test_a_per_group_oracle_is_the_oracle_in_that_group_and_the_heuristic_in_the_other(bench, tmp_path, group):
+    """``oracle-background+mirror`` / ``oracle-lesion+mirror``: the policy file ``tra_mode fixed`` reads."""
+    from jcsaug.policy.io import load_policies
+
+    undone = shift_undoing_ops(TARGET_SHIFTS["default"])
+    path = bench.oracle_group_policy_file(tmp_path, undone, group)
+    tra, _ = load_policies(path)
+    oracle = make_tra_policy(bench.oracle_preset(undone), num_groups=2)
+    nnunet = make_tra_policy("nnunet", num_groups=2)
+    for s in range(tra.num_series):
+        got = tra.probabilities()[s]
+        assert got[group].tolist() == pytest.approx(oracle.probabilities()[s][group].tolist(), abs=1e-6)
+        assert got[1 - group].tolist() == pytest.approx(nnunet.probabilities()[s][1 - group].tolist(), abs=1e-6)
+    rot90 = bench.tra_probability(json.loads(path.read_text()), "rotate_frontal", "rot90")
+    assert rot90[group] == pytest.approx(0.5, abs=1e-5) and rot90[1 - group] == pytest.approx(0.025, abs=1e-5)
+    assert {m: bench.MODES[m]["tra_mode"] for m in bench.ORACLE_GROUP_MODES} == dict.fromkeys(
+        bench.ORACLE_GROUP_MODES, "fixed")
+
+
 def test_probabilities_and_ranks_are_read_from_policies_json(bench):
     tra = make_tra_policy("nnunet", num_groups=2)
     s = tra.series_names.index("rotate_frontal")
