@@ -29,6 +29,7 @@ import statistics
 from pathlib import Path
 
 import torch
+from bench_learning_quality import tea_ranks  # this folder's ranking of a run's TEA ops
 from monai.bundle import ConfigParser
 from monai.data import load_decathlon_datalist
 from monai.transforms import RandCropByPosNegLabeld
@@ -91,14 +92,14 @@ def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, to
 
 
 def learned_ranks(run_dir: Path) -> dict[str, tuple[int, float]]:
-    """``{op name: (rank, probability)}`` of the run's learned TEA policy (``policies.json``); empty when it has
-    none. Ranked as ``bench_learning_quality.py`` ranks them."""
+    """``{op name: (rank, probability)}`` of the run's learned TEA policy (``policies.json``), ranked as
+    ``bench_learning_quality.py`` ranks them; empty when it has none."""
     path = run_dir / "policies.json"
-    tea = json.loads(path.read_text()).get("tea") if path.is_file() else None
-    if not tea:
+    policies = json.loads(path.read_text()) if path.is_file() else {}
+    if not policies.get("tea"):
         return {}
-    ops = sorted(tea["ops"], key=lambda o: -o["probability"])
-    return {o["name"]: (rank + 1, o["probability"]) for rank, o in enumerate(ops)}
+    ranks = tea_ranks(policies)
+    return {o["name"]: (ranks[o["name"]], o["probability"]) for o in policies["tea"]["ops"]}
 
 
 def main(argv: list[str] | None = None) -> list[tuple]:

@@ -24,7 +24,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """Import ``benchmarks/<name>.py`` (a script folder, not a package) as a module."""
+    """Import ``benchmarks/<name>.py`` (a script folder, not a package) as a module, with the folder on ``sys.path``
+    as when the script runs (a benchmark may import a sibling's helpers)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
