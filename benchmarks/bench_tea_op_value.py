@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     datalist = args.dataset_dir / "dataset.json"
     cases = load_decathlon_datalist(datalist, data_list_key=args.split, base_dir=args.dataset_dir)
     volumes = [(d["image"].unsqueeze(0), d["label"].unsqueeze(0)) for d in map(load, cases)]
-    undoing = [names for names in json.loads(datalist.read_text())["domain_shift"]["undone_by"]["tea"]]
+    undoing = json.loads(datalist.read_text())["domain_shift"]["undone_by"]["tea"]
     print(f"{len(volumes)} {args.split} volumes of {tuple(volumes[0][0].shape[2:])}; shift undone by TEA {undoing}")
 
     patches = lesion_patches(volumes, args.patch_size, args.patches) if args.patch_size else None
