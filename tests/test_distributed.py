@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 
 def _train_rank(local_rank: int, out_dir: str) -> None:
-    """One rank: DDP-wrapped tiny U-Net, joint TRA + TEA learning on this rank's own data."""
+    """One rank: DDP-wrapped tiny U-Net, joint TRA (with the look-ahead) + TEA learning on this rank's own data."""
     torch.set_num_threads(1)
     rank = idist.get_rank()
     net = DistributedDataParallel(tiny_unet(seed=rank))  # DDP broadcasts rank 0's weights
@@ -46,7 +46,7 @@ def _train_rank(local_rank: int, out_dir: str) -> None:
     if rank == 1:  # one class group only: rank 1 skips this TRA update but still joins the all-reduce
         data[1]["class_group"] = torch.ones_like(data[1]["class_group"])
     val = [lesion_batch(4, seed=100 + 10 * rank + i) for i in range(2)]
-    tra_updater = TRAPolicyUpdater(tra, net, val, opt, lr=0.05, tea_policy=tea, seed=0)
+    tra_updater = TRAPolicyUpdater(tra, net, val, opt, lr=0.05, tea_policy=tea, seed=0, lookahead=4)
     tea_updater = TEAPolicyUpdater(tea, net, val, lr=0.05, num_copies=4, seed=0)
     trainer = SupervisedTrainer(
         device=torch.device("cpu"), max_epochs=1, train_data_loader=data, network=net, optimizer=opt,
@@ -76,6 +76,7 @@ def _train_rank(local_rank: int, out_dir: str) -> None:
         "model_identical": all(torch.equal(g, params) for g in idist.all_gather(params.unsqueeze(0))),
         "seeds": seeds.tolist(),
         "state_keys": sorted(tra_updater.state_dict()),
+        "curvature": tra_updater.lookahead.curvature,  # tracked by the look-ahead: finite once it ran
     }
     # gloo's worker threads must stop before the interpreter does (else SIGABRT at exit): with the DDP wrapper
     # released, destroying the group (ignite's job here) joins them
@@ -94,7 +95,8 @@ def test_policies_stay_identical_on_two_gloo_ranks(tmp_path):
             assert record["tra_identical"] and record["tea_identical"], (rank, record)
             assert record["tra_changed"] and record["tea_changed"], (rank, record)
         assert result["model_identical"]
-        assert {"policy", "optimizer", "generator"} <= set(result["state_keys"])
+        assert {"policy", "optimizer", "generator", "lookahead"} <= set(result["state_keys"])
+        assert result["curvature"] > 0, result["curvature"]  # NaN (never ran) fails too
     assert results[1]["skipped"][0] == 1 and results[0]["skipped"][0] == 0  # rank 1 skipped one TRA update...
     assert results[0]["updates"] == results[1]["updates"] == [ITERATIONS, ITERATIONS]  # ...and stepped anyway
     seeds = results[0]["seeds"]  # every rank draws its own ops
