@@ -13,6 +13,11 @@ probabilities and the pair gains over the catalogue. With ``--patch-size``, also
 patches of that size, as the TEA updater measures it (the soft Dice loss of the op's mapped-back prediction minus
 the plain one's, x 100: negative helps). A Markdown table of the shift-undoing ops goes to ``--out``.
 
+With ``--selections``, also what the learned policy's *choice* is worth: the split's Dice of TTA with the identity and
+``--tea-z`` - 1 more ops, equal weights, the ops chosen four ways: the learned policy's top ops; every op measured on
+the validation volumes with the final network (by alone gain, and by pair gain: an exhaustive, noise-free choice
+from the data the TEA learns on); and by the split's own pair gains (a ceiling: chosen with the split's labels).
+
 It answers whether a TEA op the learned policy leaves out (issue 10: ``gamma_compress_0.5`` on the default shift)
 would have helped the trained network — a miss of the learner — or not — a target the trained network has no use
 for. Every op is evaluated on the same volumes with the bundle's own sliding-window inferer, network and loading.
@@ -91,6 +96,20 @@ def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, to
     return effects
 
 
+def selection_dice(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.Tensor]], sw,
+                   num_classes: int, device: torch.device, names: list[str]) -> float:  # fmt: skip
+    """Mean Dice (points) over ``volumes`` of TTA with the identity and the ops ``names``, equal weights."""
+    by_name = {op.name: op for op in TEA_OPS}
+    inferer = TEAInferer([TEA_OPS[0], *(by_name[n] for n in names)], base_inferer=sw)
+    return 100 * statistics.fmean(statistics.fmean(case_dice(inferer(x.to(device), network).float().cpu(), y,
+                                                             num_classes)) for x, y in volumes)  # fmt: skip
+
+
+def top_ops(score: dict[str, float], count: int) -> list[str]:
+    """The ``count`` names of highest score (ties: catalogue order)."""
+    return sorted(score, key=lambda n: -score[n])[:count]
+
+
 def learned_ranks(run_dir: Path) -> dict[str, tuple[int, float]]:
     """``{op name: (rank, probability)}`` of the run's learned TEA policy (``policies.json``), ranked as
     ``bench_learning_quality.py`` ranks them; empty when it has none."""
@@ -100,6 +119,30 @@ def learned_ranks(run_dir: Path) -> dict[str, tuple[int, float]]:
         return {}
     ranks = tea_ranks(policies)
     return {o["name"]: (ranks[o["name"]], o["probability"]) for o in policies["tea"]["ops"]}
+
+
+#: how ``--selections`` chooses the TTA's ops, in its table's column order
+SELECTIONS = ("learned policy", "validation alone", "validation pair", "split pair (ceiling)")
+
+
+def selection_row(run_dir: Path, network: torch.nn.Module, gains: dict[str, tuple[float, float]],
+                  ranks: dict[str, tuple[int, float]], validation: list, volumes: list, sw, num_classes: int,
+                  device: torch.device, count: int) -> tuple[Path, list[float | None]]:  # fmt: skip
+    """One run's ``--selections``: the split's TTA Dice with the top ``count`` ops of each of :data:`SELECTIONS`
+    (``None`` for the learned policy when the run has none); printed as it goes."""
+    with torch.no_grad():
+        on_validation = gains if validation is volumes else op_gains(network, validation, sw, num_classes, device)
+        chosen = {
+            SELECTIONS[0]: top_ops({n: -r for n, (r, _) in ranks.items() if n in gains}, count) if ranks else None,
+            SELECTIONS[1]: top_ops({n: g[1] for n, g in on_validation.items()}, count),
+            SELECTIONS[2]: top_ops({n: g[0] for n, g in on_validation.items()}, count),
+            SELECTIONS[3]: top_ops({n: g[0] for n, g in gains.items()}, count),
+        }
+        dice = [None if names is None else selection_dice(network, volumes, sw, num_classes, device, names)
+                for names in chosen.values()]  # fmt: skip
+    print(f"  TTA Dice, identity + {count} ops chosen by: " + ", ".join(
+        f"{k} {d:.2f}" for k, d in zip(SELECTIONS, dice) if d is not None))  # fmt: skip
+    return run_dir, dice
 
 
 def main(argv: list[str] | None = None) -> list[tuple]:
@@ -115,6 +158,10 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     parser.add_argument("--patches", type=int, default=48, help="patches for --patch-size")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--selections", action="store_true",
+                        help="also the Dice of TTA with the top ops as the policy, the validation split and this "
+                        "split choose them")  # fmt: skip
+    parser.add_argument("--tea-z", type=int, default=8, help="ops of the --selections TTA, the identity included")
     parser.add_argument("--out", type=Path, default=None, help="Markdown table of the shift-undoing ops")
     args = parser.parse_args(argv)
     if args.threads:
@@ -130,11 +177,15 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     datalist = args.dataset_dir / "dataset.json"
     cases = load_decathlon_datalist(datalist, data_list_key=args.split, base_dir=args.dataset_dir)
     volumes = [(d["image"].unsqueeze(0), d["label"].unsqueeze(0)) for d in map(load, cases)]
+    validation = volumes
+    if args.selections and args.split != "validation":
+        cases = load_decathlon_datalist(datalist, data_list_key="validation", base_dir=args.dataset_dir)
+        validation = [(d["image"].unsqueeze(0), d["label"].unsqueeze(0)) for d in map(load, cases)]
     undoing = json.loads(datalist.read_text())["domain_shift"]["undone_by"]["tea"]
     print(f"{len(volumes)} {args.split} volumes of {tuple(volumes[0][0].shape[2:])}; shift undone by TEA {undoing}")
 
     patches = lesion_patches(volumes, args.patch_size, args.patches) if args.patch_size else None
-    rows = []
+    rows, selections = [], []
     for run_dir in args.run_dir:
         network = config.get_parsed_content("network_def", instantiate=True, lazy=False).to(device)
         checkpoint = latest_checkpoint(run_dir)
@@ -165,12 +216,19 @@ def main(argv: list[str] | None = None) -> list[tuple]:
             print(f"  shift-undoing {best}: pair {gains[best][0]:+.2f}, alone {gains[best][1]:+.2f}{patch}, rank by "
                   f"pair gain {true_rank[best]}, learned rank {learned_rank if ranks else '-'}")  # fmt: skip
             rows.append((run_dir, best, gains[best], true_rank[best], learned_rank))
+        if args.selections:
+            selections.append(selection_row(run_dir, network, gains, ranks, validation, volumes, sw, num_classes,
+                                            device, args.tea_z - 1))  # fmt: skip
 
     if args.out:
         lines = ["| run | shift-undoing TEA op | pair gain | alone gain | rank by pair gain | learned rank |",
                  "|---|---|---|---|---|---|"]  # fmt: skip
         lines += [f"| {r} | `{n}` | {g[0]:+.2f} | {g[1]:+.2f} | {t} | {lr if lr is not None else '-'} |"
                   for r, n, g, t, lr in rows]  # fmt: skip
+        if selections:
+            lines += ["", f"| run | {' | '.join(SELECTIONS)} |", "|---|" + "---|" * len(SELECTIONS)]
+            lines += [f"| {r} | " + " | ".join(f"{d:.2f}" if d is not None else "-" for d in dice) + " |"
+                      for r, dice in selections]  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")
         print(f"\nwritten: {args.out}")

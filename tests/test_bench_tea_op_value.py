@@ -63,8 +63,9 @@ def test_ops_the_network_commutes_with_gain_nothing_on_volumes_and_patches(bench
     assert all(y[0, 0, 4, 4, 4] == 1 for _, y in patches)  # lesion-centred
 
 
-def test_main_ranks_ops_and_reads_the_learned_ranks(bench, tmp_path, capsys):
-    """End to end on a tiny dataset: a run folder with a checkpoint of the bundle's network and a policies.json."""
+def _trained_run(bench, tmp_path):
+    """A tiny dataset and a run folder with a checkpoint of the bundle's network and a policies.json whose learned
+    rank of op k is k + 1."""
     torch.set_num_threads(1)
     data, run = tmp_path / "data", tmp_path / "run"
     make_synthetic_dataset(data, num_train=1, num_val=1, num_test=1, shape=(32, 32, 32), progress=False)
@@ -76,9 +77,15 @@ def test_main_ranks_ops_and_reads_the_learned_ranks(bench, tmp_path, capsys):
     run.mkdir()
     torch.save({"network": config.get_parsed_content("network_def", lazy=False).state_dict()},
                run / "checkpoint_final_iteration=1.pt")  # fmt: skip
-    probs = {op.name: 1.0 / (op.id + 1) for op in TEA_OPS}  # the learned rank of op k is k + 1
+    probs = {op.name: 1.0 / (op.id + 1) for op in TEA_OPS}
     (run / "policies.json").write_text(json.dumps({"tea": {"ops": [{"name": n, "probability": p}
                                                                    for n, p in probs.items()]}}))  # fmt: skip
+    return data, run
+
+
+def test_main_ranks_ops_and_reads_the_learned_ranks(bench, tmp_path, capsys):
+    """End to end on a tiny dataset (the learned rank of op k is k + 1)."""
+    data, run = _trained_run(bench, tmp_path)
     out = tmp_path / "table.md"
     rows = bench.main(["--dataset-dir", str(data), "--run-dir", str(run), "--top", "3", "--patch-size", "16", "16",
                        "16", "--patches", "2", "--out", str(out)])  # fmt: skip
@@ -87,8 +94,37 @@ def test_main_ranks_ops_and_reads_the_learned_ranks(bench, tmp_path, capsys):
     names = [op.name for op in TEA_OPS]
     for _, name, _, rank, learned in rows:
         assert 1 <= rank <= len(TEA_OPS) - 1
-        assert learned == min(names.index(n) + 1 for n in ([name] if "90" not in name else
-                                                             ["rotate_frontal_acw_90", "rotate_frontal_cw_90"]))
+        assert learned == min(
+            names.index(n) + 1
+            for n in ([name] if "90" not in name else ["rotate_frontal_acw_90", "rotate_frontal_cw_90"])
+        )
     printed = capsys.readouterr().out
     assert "Spearman(learned probability, pair gain)" in printed and "patch loss" in printed
     assert out.read_text().count("\n") == 2 + len(rows)
+
+
+def test_selection_dice_and_top_ops(bench):
+    from monai.inferers import SimpleInferer
+
+    net, volumes = _Voxelwise().eval(), _volumes()
+    args = (net, volumes, SimpleInferer(), 2, torch.device("cpu"))
+    with torch.no_grad():
+        plain = bench.selection_dice(*args, [])  # the identity alone: the plain prediction
+        assert bench.selection_dice(*args, EXACT[:4]) == pytest.approx(plain, abs=1e-9)  # commuting ops change nothing
+        assert bench.selection_dice(*args, ["noise_0.125", "gamma_expand_0.5"]) != pytest.approx(plain, abs=1e-6)
+    assert bench.top_ops({"a": 0.1, "b": 0.3, "c": -1.0, "d": 0.3}, 3) == ["b", "d", "a"]
+
+
+def test_selections_compare_the_learned_choice_with_exhaustive_ones(bench, tmp_path, capsys):
+    """On the validation split itself, choosing by the validation's pair gains is choosing by the split's: equal."""
+    data, run = _trained_run(bench, tmp_path)
+    out = tmp_path / "table.md"
+    bench.main(["--dataset-dir", str(data), "--run-dir", str(run), "--split", "validation", "--selections",
+                "--tea-z", "4", "--out", str(out)])  # fmt: skip
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if "TTA Dice, identity + 3 ops chosen by" in x)
+    dice = dict(part.rsplit(" ", 1) for part in line.split("chosen by: ")[1].split(", "))
+    assert list(dice) == list(bench.SELECTIONS)
+    assert dice["validation pair"] == dice["split pair (ceiling)"]
+    table = out.read_text().split("\n\n")[1].splitlines()
+    assert table[0].count("|") == len(bench.SELECTIONS) + 2 and len(table) == 3
