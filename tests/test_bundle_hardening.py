@@ -266,10 +266,11 @@ def test_every_bundle_runs_the_checks_and_guards(bundle, extra):
     [
         ("synthetic_lesion", ["tra_estimator", "tea_estimator", "tra_counterfactuals", "tra_logit_budget",
                               "tea_logit_budget", "val_batches", "val_average", "tea_patches", "tra_policy",
-                              "tra_lookahead", "tea_patch_size", "augment_on", "network_def#channels",
+                              "tra_lookahead", "tea_patch_size", "tea_poly_power", "augment_on",
+                              "network_def#channels",
                               "overwrite"]),
         ("kits19_tumor", ["network", "network_kwargs", "tra_policy", "augment_on", "test_split", "cache_rate",
-                          "overwrite", "train_fraction"]),
+                          "overwrite", "train_fraction", "tea_poly_power"]),
     ],
 )  # fmt: skip
 def test_the_settings_of_issues_10_and_13_are_known_override_ids(bundle, ids):
@@ -300,3 +301,12 @@ def test_the_tea_scores_its_ops_on_patches_of_tea_patch_size(monkeypatch, tmp_pa
     assert list(next(iter(val_loader))["image"].shape[2:]) == [24, 24, 24]
     updaters = parser.get_parsed_content("policy_updaters")
     assert updaters.tea.val_stream.loader is tea_loader and updaters.tra.val_stream.loader is val_loader
+
+
+@pytest.mark.parametrize("tea_poly_power", [None, 0.9, 2.0])
+def test_tea_poly_power_reaches_the_tea_updater_only(monkeypatch, tmp_path, dataset, tea_poly_power):
+    """The TEA's gamma is constant by default (issue 10: measured); an override reaches the TEA updater only."""
+    overrides = {} if tea_poly_power is None else {"tea_poly_power": tea_poly_power}
+    updaters = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser.get_parsed_content("policy_updaters")
+    assert updaters.tea.poly_power == (0.0 if tea_poly_power is None else tea_poly_power)
+    assert updaters.tra.poly_power == 0.9

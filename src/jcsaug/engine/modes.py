@@ -258,6 +258,7 @@ class AugmentationSetup:
         tea_patches: int = 1,
         tra_lookahead: float = 1,
         tea_val_loader: Iterable | None = None,
+        tea_poly_power: float = 0.9,
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
 
@@ -266,7 +267,9 @@ class AugmentationSetup:
         ``tra_lookahead`` is the TRA updater's ``lookahead`` horizon (1: one step). ``tea_val_loader``: the
         validation patches the TEA updater scores its ops on (default ``val_loader``); patches larger than the
         training patches (whole volumes where they fit) score the ops closer to how they act at test time, on the
-        whole image: an intensity op rescales by the image's range, a spatial op has fewer patch borders."""
+        whole image: an intensity op rescales by the image's range, a spatial op has fewer patch borders.
+        ``tea_poly_power``: the TEA updater's ``poly_power`` (0: a constant gamma, so the last updates, made with the
+        network the policy is tested with, move the logits as much as the first)."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(
@@ -280,7 +283,7 @@ class AugmentationSetup:
             tea = TEAPolicyUpdater(
                 self.tea_policy, model, val_loader if tea_val_loader is None else tea_val_loader, lr=tea_lr,
                 update_every=tea_update_every, num_copies=num_copies, seed=seed, estimator=self.tea_estimator,
-                logit_budget=tea_logit_budget, patches=tea_patches,
+                logit_budget=tea_logit_budget, patches=tea_patches, poly_power=tea_poly_power,
             )  # fmt: skip
         return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea)
 
