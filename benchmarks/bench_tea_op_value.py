@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     parser.add_argument("--tea-z", type=int, default=8, help="ops of the --selections TTA, the identity included")
     parser.add_argument("--out", type=Path, default=None, help="Markdown table of the shift-undoing ops")
     args = parser.parse_args(argv)
+    if args.tea_z < 1:
+        parser.error(f"--tea-z must be >= 1 (the identity included), got {args.tea_z}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

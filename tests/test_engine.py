@@ -201,6 +201,9 @@ def test_bad_arguments():
         TRAPolicyUpdater(tra, net, [], opt, hypergradient="exact")
     with pytest.raises(ValueError, match="update_every must be >= 1"):
         TRAPolicyUpdater(tra, net, [], opt, update_every=0)
+    for power in (-0.5, float("nan")):  # a negative power would grow the lr without bound at the run's end
+        with pytest.raises(ValueError, match=f"poly_power must be finite and >= 0 .*got {power}"):
+            TEAPolicyUpdater(make_tea_policy(), net, [], poly_power=power)
     with pytest.raises(ValueError, match="one series of 84 ops"):
         TEAPolicyUpdater(tra, net, [])
     updater = TRAPolicyUpdater(tra, net, [lesion_batch(2)], opt)

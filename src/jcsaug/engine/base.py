@@ -136,6 +136,8 @@ class PolicyUpdater(ABC):
             raise ValueError(f"policy learning rate must be finite and >= 0, got {lr}")
         if logit_budget is not None and (not math.isfinite(logit_budget) or logit_budget <= 0):
             raise ValueError(f"logit_budget must be finite and > 0, got {logit_budget}")
+        if not math.isfinite(poly_power) or poly_power < 0:
+            raise ValueError(f"poly_power must be finite and >= 0 (0: a constant learning rate), got {poly_power}")
         self.policy = policy
         self.wrapped_model = model
         self.base_lr = float(lr)
