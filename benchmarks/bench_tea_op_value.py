@@ -45,7 +45,7 @@ from jcsaug.engine import latest_checkpoint, load_checkpoint
 from jcsaug.engine.tea_updater import soft_dice_loss
 from jcsaug.evaluation.segmentation import case_dice
 from jcsaug.inference import NoTTAInferer, TEAInferer
-from jcsaug.ops.tea import TEA_OPS
+from jcsaug.ops.tea import TEA_OPS, get_tea_op
 
 CONFIG = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
 
@@ -99,8 +99,7 @@ def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, to
 def selection_dice(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.Tensor]], sw,
                    num_classes: int, device: torch.device, names: list[str]) -> float:  # fmt: skip
     """Mean Dice (points) over ``volumes`` of TTA with the identity and the ops ``names``, equal weights."""
-    by_name = {op.name: op for op in TEA_OPS}
-    inferer = TEAInferer([TEA_OPS[0], *(by_name[n] for n in names)], base_inferer=sw)
+    inferer = TEAInferer([TEA_OPS[0], *map(get_tea_op, names)], base_inferer=sw)
     return 100 * statistics.fmean(statistics.fmean(case_dice(inferer(x.to(device), network).float().cpu(), y,
                                                              num_classes)) for x, y in volumes)  # fmt: skip
 
@@ -177,12 +176,13 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     num_classes = config["num_classes"]
     sw = config.get_parsed_content("sw_inferer")
     datalist = args.dataset_dir / "dataset.json"
-    cases = load_decathlon_datalist(datalist, data_list_key=args.split, base_dir=args.dataset_dir)
-    volumes = [(d["image"].unsqueeze(0), d["label"].unsqueeze(0)) for d in map(load, cases)]
-    validation = volumes
-    if args.selections and args.split != "validation":
-        cases = load_decathlon_datalist(datalist, data_list_key="validation", base_dir=args.dataset_dir)
-        validation = [(d["image"].unsqueeze(0), d["label"].unsqueeze(0)) for d in map(load, cases)]
+
+    def split_volumes(split: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cases = load_decathlon_datalist(datalist, data_list_key=split, base_dir=args.dataset_dir)
+        return [(d["image"].unsqueeze(0), d["label"].unsqueeze(0)) for d in map(load, cases)]
+
+    volumes = split_volumes(args.split)
+    validation = split_volumes("validation") if args.selections and args.split != "validation" else volumes
     undoing = json.loads(datalist.read_text())["domain_shift"]["undone_by"]["tea"]
     print(f"{len(volumes)} {args.split} volumes of {tuple(volumes[0][0].shape[2:])}; shift undone by TEA {undoing}")
 
