@@ -22,6 +22,7 @@ from jcsaug.engine import (
     normalise_hypergradient,
 )
 from jcsaug.engine.base import PolicyUpdater, SkipUpdate, ValidationStream
+from jcsaug.engine.losses import batch_dice_loss
 from jcsaug.engine.paired import OpEffects
 from jcsaug.engine.tea_updater import predict_by_shape
 from jcsaug.engine.tra_updater import tea_transform_batch
@@ -456,7 +457,9 @@ def test_updater_defaults_are_the_papers():
     tra = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt)
     assert (tra.base_lr, tra.poly_power, tra.name, tra.estimator, tra.effects) == (1e-3, 0.9, "TRA", "gumbel", None)
     assert (tra.val_batches, tra.val_average, tra.meta_mode, tra.mask_undrawn) == (1, 1.0, "eval", True)
-    assert tra.train_loss is get_loss("ce+dice") and tra.val_loss is get_loss("dice") and tra.batch_val_loss is None
+    assert tra.train_loss is get_loss("ce+dice")
+    chunks = _val_chunks()
+    assert torch.allclose(tra.val_loss(chunks), torch.cat([get_loss("dice")(x, y) for x, y in chunks]).mean())
     assert tra.hypergradient is finite_difference_hypergradient and tra.tea_policy is None
     assert tra.optimizer.param_groups[0]["frequency_scaling"] is False
     assert torch.equal(tra.generator.get_state(), torch.Generator().manual_seed(0).get_state())
@@ -527,6 +530,13 @@ def test_tea_updater_arguments_are_checked():
             TEAPolicyUpdater(policy, net, [], ops=ops)
 
 
+def _val_chunks() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two ``(logits, label)`` chunks of one validation batch, of different shapes and sizes."""
+    g = torch.Generator().manual_seed(0)
+    shapes = ((3, 4, 5, 6), (1, 6, 5, 4))
+    return [(torch.randn(b, 2, *sp, generator=g), torch.randint(0, 2, (b, 1, *sp), generator=g)) for b, *sp in shapes]
+
+
 def test_tra_updater_arguments_are_checked():
     net = nn.Linear(1, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -534,7 +544,9 @@ def test_tra_updater_arguments_are_checked():
     updater = TRAPolicyUpdater(policy, net, [], opt, estimator="paired", effect_smoothing=0.5, val_average=1.0,
                                val_batches=3, meta_mode="train", val_loss="batch-dice")  # fmt: skip
     assert (updater.effects.smoothing, updater.val_batches, updater.meta_mode) == (0.5, 3, "train")
-    assert updater.val_loss is None and updater.batch_val_loss is not None
+    chunks = _val_chunks()  # one soft Dice over both chunks, not the mean of per-sample ones
+    assert torch.allclose(updater.val_loss(chunks), batch_dice_loss(chunks))
+    assert not torch.allclose(updater.val_loss(chunks), torch.cat([get_loss("dice")(x, y) for x, y in chunks]).mean())
     for bad in ({"val_batches": 0}, {"val_average": 1.5}, {"val_average": 0.0}, {"meta_mode": "test"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TRAPolicyUpdater(policy, net, [], opt, **bad)
@@ -549,7 +561,6 @@ def test_class_centring_with_three_groups_by_hand():
 
 
 def test_batch_dice_validation_loss_is_one_dice_over_the_validation_batch():
-    from jcsaug.engine.losses import batch_dice_loss
 
     net = _Threshold()
     opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)

@@ -20,7 +20,7 @@ from jcsaug.engine.base import (
 )
 from jcsaug.engine.hypergradient import HYPERGRADIENTS, flat_norm, get_hypergradient, normalise_hypergradient
 from jcsaug.engine.lookahead import NeumannLookAhead
-from jcsaug.engine.losses import BATCH_LOSSES, PerSampleLoss, chunked_loss, get_loss, main_output
+from jcsaug.engine.losses import PerSampleLoss, chunked_loss, get_loss, main_output
 from jcsaug.engine.paired import OpEffects
 from jcsaug.ops.tea import apply_tea_ops
 from jcsaug.policy.cascade import COUNTERFACTUAL_SUFFIX, DEFAULT_CF_OP_KEY
@@ -205,10 +205,8 @@ class TRAPolicyUpdater(PolicyUpdater):
         self.val_stream = ValidationStream(val_loader)
         self.model_optimizer = optimizer
         self.train_loss = get_loss(train_loss)
-        batch_loss = isinstance(val_loss, str) and val_loss in BATCH_LOSSES
-        self.batch_val_loss = BATCH_LOSSES.get(val_loss) if batch_loss else None
-        self.val_loss = None if self.batch_val_loss else get_loss(val_loss)
-        self._chunked_val_loss = chunked_loss(val_loss)
+        #: L_val over the ``(logits, label)`` chunks of one validation batch (a batch loss or a per-sample mean)
+        self.val_loss = chunked_loss(val_loss)
         self.hypergradient = get_hypergradient(hypergradient)
         self.tea_policy = tea_policy
         if tea_policy is not None and tea_ops is None:
@@ -246,7 +244,7 @@ class TRAPolicyUpdater(PolicyUpdater):
         return choices, plain(torch.as_tensor(batch[self.group_key])).long().cpu().reshape(-1)
 
     def _validation_loss(self, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        return self._chunked_val_loss([(main_output(self.model(x)), y) for x, y in chunks])
+        return self.val_loss([(main_output(self.model(x)), y) for x, y in chunks])
 
     def _validation_gradient(self) -> dict[str, torch.Tensor]:
         """``v``: the gradient of the mean validation loss over ``val_batches`` batches, at ``theta*``."""
