@@ -247,7 +247,8 @@ def test_every_bundle_runs_the_checks_and_guards(bundle, extra):
     targets = [t.get("_target_") for t in config["load_transforms"] if isinstance(t, dict)]
     assert targets.index("jcsaug.data.CheckImageLabeld") == targets.index("EnsureChannelFirstd") + 1
     assert config["train_handlers"][0]["_target_"] == "jcsaug.engine.StopOnNonFiniteLoss"
-    assert config["train_dataset"]["_target_"] == config["val_dataset"]["_target_"] == "jcsaug.data.CacheDataset"
+    val_cache = config.get("val_volumes", config["val_dataset"])  # synthetic: patches cut from cached volumes
+    assert config["train_dataset"]["_target_"] == val_cache["_target_"] == "jcsaug.data.CacheDataset"
     assert config["val_loader"]["shuffle"] == "$len(@val_files) > 0"
     assert config["overwrite"] is False and config["resume"] is False
     if extra in ("evaluate.yaml", "inference.yaml"):  # the run's folder is read, not written
@@ -300,6 +301,7 @@ def test_the_tea_scores_its_ops_on_patches_of_tea_patch_size(monkeypatch, tmp_pa
     assert list(next(iter(val_loader))["image"].shape[2:]) == [24, 24, 24]
     updaters = parser.get_parsed_content("policy_updaters")
     assert updaters.tea.val_stream.loader is tea_loader and updaters.tra.val_stream.loader is val_loader
+    assert tea_loader.dataset.data is val_loader.dataset.data  # the validation volumes are loaded and cached once
 
 
 @pytest.mark.parametrize("tea_poly_power", [None, 0.9, 2.0])
