@@ -23,6 +23,9 @@ the mode's overrides, ``seed`` and ``--set`` overrides. The modes (:data:`MODES`
 * ``oracle-background+mirror``, ``oracle-lesion+mirror``: the oracle in one class group only (background- or
   lesion-centred patches; the other group keeps the heuristic), as a fixed TRA policy: whether a class-specific
   policy needs the shift-undoing ops in both groups;
+* ``oracle-flip-off-background+mirror``, ``oracle-flip-off+mirror``: the oracle with the shift's mirror flips off
+  (identity 1) in background-centred patches / in both groups, as a fixed TRA policy: what the flip that undoes the
+  shift's mirroring is worth (the heuristic and the oracle draw it at 0.5);
 * ``paper``: class-specific + joint with the paper's estimators (Gumbel straight-through, policy-sampled TEA
   copies) and the bundle's former fixed learning rates;
 * ``learned+joint``: one TRA policy for all patches (not class-specific) + joint TEA;
@@ -61,6 +64,9 @@ MODES: dict[str, dict[str, str]] = {
     # the oracle in one class group only (the other keeps the heuristic): a fixed two-group TRA policy file
     "oracle-background+mirror": {"tra_mode": "fixed", "tea_mode": "heuristic"},
     "oracle-lesion+mirror": {"tra_mode": "fixed", "tea_mode": "heuristic"},
+    # the oracle with the shift's mirror flips off in background-centred patches / in both groups
+    "oracle-flip-off-background+mirror": {"tra_mode": "fixed", "tea_mode": "heuristic"},
+    "oracle-flip-off+mirror": {"tra_mode": "fixed", "tea_mode": "heuristic"},
     "paper": {
         "tra_mode": "class-specific", "tea_mode": "joint", "tra_estimator": "gumbel", "tea_estimator": "gumbel",
         "tra_logit_budget": "None", "tea_logit_budget": "None", "tra_lr": "0.02", "tea_lr": "0.01",
@@ -103,6 +109,33 @@ def oracle_group_policy_file(out: Path, undone_by: dict, group: int) -> Path:
     with torch.no_grad():
         policy.logits[group] = oracle.logits[group]
     return save_policies(out / f"oracle_group{group}_policies.json", policy)
+
+
+#: the flip-off oracle modes -> the class groups in which the shift's mirror flips are off (identity 1)
+ORACLE_FLIP_OFF_MODES = {"oracle-flip-off-background+mirror": (0,), "oracle-flip-off+mirror": (0, 1)}
+
+
+def oracle_flip_off_policy_file(out: Path, undone_by: dict, groups: tuple[int, ...]) -> Path:
+    """A ``policies.json`` whose TRA policy is the oracle (:func:`oracle_preset`, both groups) with every
+    shift-undoing ``mirror_*`` flip off (identity 1) in ``groups``, for ``tra_mode fixed``: is the flip that undoes
+    the shift's mirroring worth any Dice there? (The heuristic already draws it at 0.5.)"""
+
+    from jcsaug.policy import make_tra_policy
+    from jcsaug.policy.io import save_policies
+
+    mirrors = [e["series"] for e in undone_by["tra"] if e["series"].startswith("mirror_")]
+    if not mirrors:
+        raise ValueError("the flip-off oracle modes need a shift with a mirror aspect (domain_shift.undone_by.tra)")
+    policy = make_tra_policy(oracle_preset(undone_by), num_groups=2)
+    probs = [p.detach().clone() for p in policy.probabilities()]
+    for series in mirrors:
+        s = policy.series_names.index(series)
+        for group in groups:
+            probs[s][group] = 0.0
+            probs[s][group, 0] = 1.0
+    policy.set_probabilities(probs)
+    name = "_".join(map(str, groups))
+    return save_policies(out / f"oracle_flip_off_group{name}_policies.json", policy)
 
 
 def prepare_dataset(out: Path, shift: str) -> tuple[Path, dict]:
@@ -210,6 +243,8 @@ def main() -> None:
             overrides["tra_preset"] = json.dumps(oracle_preset(undone_by))
         if mode in ORACLE_GROUP_MODES:
             overrides["tra_policy"] = oracle_group_policy_file(args.out, undone_by, ORACLE_GROUP_MODES[mode])
+        if mode in ORACLE_FLIP_OFF_MODES:
+            overrides["tra_policy"] = oracle_flip_off_policy_file(args.out, undone_by, ORACLE_FLIP_OFF_MODES[mode])
         for seed in args.seeds:
             jobs.append((mode, seed, data, args.out / "runs" / args.shift / mode / f"seed{seed}", overrides))
     print(f"shift {args.shift!r}: undone by TRA {undone_by['tra']} / TEA {undone_by['tea']}; {len(jobs)} runs")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from helpers import load_benchmark
 from jcsaug.data.synthetic import TARGET_SHIFTS, shift_undoing_ops
@@ -56,6 +57,29 @@ def test_a_per_group_oracle_is_the_oracle_in_that_group_and_the_heuristic_in_the
     assert rot90[group] == pytest.approx(0.5, abs=1e-5) and rot90[1 - group] == pytest.approx(0.025, abs=1e-5)
     assert {m: bench.MODES[m]["tra_mode"] for m in bench.ORACLE_GROUP_MODES} == dict.fromkeys(
         bench.ORACLE_GROUP_MODES, "fixed")
+
+
+@pytest.mark.parametrize("mode", ["oracle-flip-off-background+mirror", "oracle-flip-off+mirror"])
+def test_a_flip_off_oracle_is_the_oracle_without_the_shifts_flip_in_its_groups(bench, tmp_path, mode):
+    """The oracle in both groups, the shift's sagittal flip off (identity 1) in the mode's groups only."""
+    from jcsaug.policy.io import load_policies
+
+    groups = bench.ORACLE_FLIP_OFF_MODES[mode]
+    undone = shift_undoing_ops(TARGET_SHIFTS["default"])
+    path = bench.oracle_flip_off_policy_file(tmp_path, undone, groups)
+    tra, _ = load_policies(path)
+    oracle = make_tra_policy(bench.oracle_preset(undone), num_groups=2)
+    policies = json.loads(path.read_text())
+    flip = bench.tra_probability(policies, "mirror_sagittal", "flip")
+    for group in (0, 1):
+        assert flip[group] == pytest.approx(0.0 if group in groups else 0.5, abs=1e-5)
+        assert bench.tra_probability(policies, "rotate_frontal", "rot90")[group] == pytest.approx(0.5, abs=1e-5)
+    for s, name in enumerate(tra.series_names):
+        if name != "mirror_sagittal":
+            torch.testing.assert_close(tra.probabilities()[s], oracle.probabilities()[s], atol=1e-6, rtol=0)
+    assert bench.MODES[mode]["tra_mode"] == "fixed"
+    with pytest.raises(ValueError, match="mirror aspect"):  # rotate-longitudinal: no mirror to switch off
+        bench.oracle_flip_off_policy_file(tmp_path, shift_undoing_ops(TARGET_SHIFTS["rotate-longitudinal"]), groups)
 
 
 def test_probabilities_and_ranks_are_read_from_policies_json(bench):
