@@ -8,6 +8,7 @@ quiet CPU cores, about 1 min on a GPU, and the defaults make 3 modes x 3 seeds =
     #           --device cpu --jobs 1 --out benchmarks/results/learning_quality
     python benchmarks/bench_learning_quality.py --device cuda --jobs 4
     python benchmarks/bench_learning_quality.py --shift rotate-longitudinal   # a shift the defaults were not tuned on
+    python benchmarks/bench_learning_quality.py --shift blur                  # another: a blur, no geometric change
     python benchmarks/bench_learning_quality.py --modes heuristic+mirror paper --set max_epochs=80
 
 Every run is the default bundle (``bundles/synthetic_lesion/configs/train.yaml``) launched as a user would

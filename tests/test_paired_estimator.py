@@ -315,6 +315,8 @@ def test_dataset_metadata_names_the_ops_that_undo_each_shift(tmp_path):
     other = shift_undoing_ops(TARGET_SHIFTS["rotate-longitudinal"])
     assert other["tra"][0] == {"series": "rotate_longitudinal", "op": "rot90"}
     assert other["tea"][-1] == ["gamma_expand_0.5"]  # a power below 1 is undone by the expanding gamma
+    blur = shift_undoing_ops(TARGET_SHIFTS["blur"])  # no geometric aspect: the blur alone
+    assert blur == {"tra": [{"series": "blur_sharpen", "op": "blur[0.8,1)"}], "tea": [["sharpen_0.9"]]}
 
     path = make_synthetic_dataset(tmp_path / "d", 1, 1, 1, shape=(24, 24, 24), target_shift="rotate-longitudinal",
                                   progress=False)  # fmt: skip

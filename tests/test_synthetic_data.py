@@ -14,7 +14,7 @@ from monai.transforms import LoadImaged
 from scipy import ndimage
 
 from jcsaug.data import make_synthetic_dataset
-from jcsaug.data.synthetic import SPLITS, synthesize_case
+from jcsaug.data.synthetic import SPLITS, TARGET_SHIFTS, synthesize_case
 
 SHAPE = (32, 32, 32)
 COUNTS = {"num_train": 4, "num_val": 2, "num_test": 3}
@@ -125,6 +125,23 @@ def test_target_domain_differs_from_source(tmp_path: Path) -> None:
     assert np.mean([np.argwhere(lbl)[:, 0].mean() for _, lbl in target]) > centre
     # gamma > 1 on the rescaled image skews the intensity distribution to the right
     assert np.mean([_skewness(img) for img, _ in target]) > np.mean([_skewness(img) for img, _ in source]) + 0.2
+
+
+def test_the_blur_shift_is_the_tra_blur_of_the_plain_case_and_changes_nothing_else() -> None:
+    """``blur``: the same case as the source domain, its z-scored image then smoothed by a Gaussian whose sigma is
+    drawn last (so the other domains' cases are unchanged by the key)."""
+    blur = TARGET_SHIFTS["blur"]
+    rng, plain_rng = np.random.default_rng(5), np.random.default_rng(5)
+    image, label = synthesize_case(rng, SHAPE, blur)
+    plain, plain_label = synthesize_case(plain_rng, SHAPE, {**blur, "blur": None})
+    sigma = plain_rng.uniform(*blur["blur"])
+    assert 0.8 <= sigma < 1.0
+    np.testing.assert_array_equal(label, plain_label)
+    np.testing.assert_allclose(image, ndimage.gaussian_filter(plain, sigma), atol=1e-6)
+    assert np.abs(np.diff(image, axis=1)).mean() < 0.7 * np.abs(np.diff(plain, axis=1)).mean()  # smoother
+    without_key = {k: v for k, v in TARGET_SHIFTS["default"].items() if k != "blur"}  # a domain of before the key
+    a = synthesize_case(np.random.default_rng(9), SHAPE, without_key)
+    np.testing.assert_array_equal(a[0], synthesize_case(np.random.default_rng(9), SHAPE, "target")[0])
 
 
 def test_existing_dataset_is_not_rewritten(tmp_path: Path) -> None:

@@ -25,6 +25,10 @@ intensity           z-scored                                   robustly rescaled
                                                                gamma in [1.4, 1.6), then z-scored
 ==================  =========================================  =========================================
 
+:data:`TARGET_SHIFTS` names other target domains built the same way: ``rotate-longitudinal`` (lesions along array
+axis 1, no mirror, a gamma below 1) and ``blur`` (no geometric change, no gamma: the z-scored image smoothed by a
+Gaussian of sigma 0.8-1 voxel, as a softer scanner would give).
+
 Layout written under ``out_dir`` (file names are unique across splits, numbered training first)::
 
     imagesTr/case_000.nii.gz ...   labelsTr/case_000.nii.gz ...   training   (source domain)
@@ -71,9 +75,10 @@ SPLITS: dict[str, tuple[str, str, str]] = {
 }
 
 _DOMAINS = {
-    # long axis of the lesions, mirror along array axis 0, gamma range (None = no gamma)
-    "source": {"long_axis": 0, "mirror_axis0": False, "gamma": None},
-    "target": {"long_axis": 2, "mirror_axis0": True, "gamma": (1.4, 1.6)},
+    # long axis of the lesions, mirror along array axis 0, gamma range (None = no gamma), Gaussian blur sigma range
+    # of the z-scored image (None = no blur; a missing key reads as None)
+    "source": {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": None},
+    "target": {"long_axis": 2, "mirror_axis0": True, "gamma": (1.4, 1.6), "blur": None},
 }
 
 #: Named target domains (``make_synthetic_dataset(target_shift=...)``): the default one, and others that check
@@ -82,7 +87,10 @@ TARGET_SHIFTS: dict[str, dict] = {
     "default": _DOMAINS["target"],
     # lesions along array axis 1 (a quarter turn about the longitudinal axis), no mirror, the image raised to a
     # power below 1 (the gamma of the other sign)
-    "rotate-longitudinal": {"long_axis": 1, "mirror_axis0": False, "gamma": (0.62, 0.71)},
+    "rotate-longitudinal": {"long_axis": 1, "mirror_axis0": False, "gamma": (0.62, 0.71), "blur": None},
+    # no geometric change and no gamma: the z-scored image blurred (sigma 0.8-1 voxel), an intensity change of
+    # another kind (undone by the TRA's strongest blur, roughly by the TEA's sharpening)
+    "blur": {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": (0.8, 1.0)},
 }
 _FG_RANGE = (0.011, 0.029)  # accepted foreground fraction (inside the promised 1-3 %)
 _TISSUE_LEVELS = (0.35, 0.5, 0.7)
@@ -101,6 +109,8 @@ def _describe(target: Mapping) -> str:
         parts.append("placement and bias field mirrored along axis 0")
     if target["gamma"] is not None:
         parts.append(f"gamma {target['gamma'][0]:g}-{target['gamma'][1]:g} on the [0, 1]-rescaled image")
+    if target.get("blur") is not None:
+        parts.append(f"Gaussian blur sigma {target['blur'][0]:g}-{target['blur'][1]:g} voxel")
     return ", ".join(parts) or "no shift"
 
 
@@ -129,6 +139,12 @@ def shift_undoing_ops(target: Mapping, source: Mapping = _DOMAINS["source"]) -> 
         tra.append({"series": "gamma", "op": f"gamma±[{low:g},{low + 0.2:g})", "partial": True})
         nearest = min((0.1, 0.3, 0.5), key=lambda m: abs(m - magnitude))
         tea.append([f"gamma_{'compress' if power >= 1.0 else 'expand'}_{nearest:g}"])
+    if target.get("blur") is not None:
+        sigma = sum(target["blur"]) / 2.0
+        low = min(max(int((sigma - 0.4) / 0.2), 0), 2) * 0.2 + 0.4  # the TRA's bins [0.4, 0.6), [0.6, 0.8), [0.8, 1)
+        tra.append({"series": "blur_sharpen", "op": f"blur[{low:g},{low + 0.2:g})"})
+        nearest = min((0.5, 0.7, 0.9), key=lambda m: abs(m - sigma))
+        tea.append([f"sharpen_{nearest:g}"])  # x - LoG(x, sigma): undoes a blur of about that sigma, roughly
     return {"tra": tra, "tea": tea}
 
 
@@ -277,6 +293,8 @@ def synthesize_case(
         lo, hi = np.percentile(image, [0.5, 99.5])
         image = np.clip((image - lo) / (hi - lo), 0.0, 1.0) ** rng.uniform(*cfg["gamma"])
     image = (image - image.mean()) / (image.std() + 1e-8)
+    if cfg.get("blur") is not None:  # after z-scoring: exactly what the TRA's blur does to a source patch
+        image = ndimage.gaussian_filter(image, rng.uniform(*cfg["blur"]))
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
 
 
@@ -447,6 +465,7 @@ def make_synthetic_dataset(
             "lesion_long_axis": {"source": 0, "target": target["long_axis"]},
             "mirror_axis": {"source": None, "target": 0 if target["mirror_axis0"] else None},
             "gamma": {"source": None, "target": None if target["gamma"] is None else list(target["gamma"])},
+            "blur": {"source": None, "target": None if target.get("blur") is None else list(target["blur"])},
             "undone_by": shift_undoing_ops(target),
         },
         **datalist,
