@@ -39,7 +39,9 @@ test Dice per seed, mean ± sd, the differences against ``heuristic+mirror`` and
 the final probability of every TRA op that undoes the shift in each class group; the rank of the TEA ops that
 undo it; the wall time of each run. Targets (issue 10): joint - heuristic+mirror >= 6 Dice points; learned TRA
 without TTA - heuristic without TTA >= 4; each undoing TRA op >= 0.3 in both class groups; each aspect of the
-shift undone by one of the TEA policy's top ``--tea-z`` ops. A Markdown table goes to ``--out``.
+shift undone by one of the TEA policy's top ``--tea-z`` ops; printed ``N/A`` (with no shares) when the oracle gains
+under :data:`MIN_ORACLE_GAIN` on the shift (knowing the answer is worth nothing there, as on ``--shift blur``). A
+Markdown table goes to ``--out``.
 """
 
 from __future__ import annotations
@@ -207,8 +209,21 @@ def mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.1f} ± {sd:.1f}"
 
 
-def verdict(ok: bool) -> str:
+#: below this gain of the oracle over the heuristic (test Dice points, with TTA) knowing the answer is worth nothing
+#: on the shift: the shares of it and the targets (set on a shift the augmentation can undo) do not apply
+MIN_ORACLE_GAIN = 1.0
+
+
+def verdict(ok: bool, oracle_gain: float | None = None) -> str:
+    """``PASS`` / ``MISS``; ``N/A`` when the oracle was run and gained under :data:`MIN_ORACLE_GAIN`."""
+    if oracle_gain is not None and oracle_gain < MIN_ORACLE_GAIN:
+        return "N/A"
     return "PASS" if ok else "MISS"
+
+
+def oracle_share(delta: float, oracle_gain: float | None) -> str:
+    """``delta`` as a share of the oracle's gain; ``-`` without an oracle or when its gain is under the minimum."""
+    return "-" if oracle_gain is None or oracle_gain < MIN_ORACLE_GAIN else f"{100 * delta / oracle_gain:.0f} %"
 
 
 def main() -> None:
@@ -274,7 +289,7 @@ def main() -> None:
         delta = [r["tta"] - base[s]["tta"] for r, s in zip(rows, args.seeds)]
         delta_none = [r["none"] - base[s]["none"] for r, s in zip(rows, args.seeds)]
         summary[mode] = (delta, delta_none)
-        share = f"{100 * statistics.mean(delta) / oracle_gain:.0f} %" if oracle_gain and mode != BASELINE else "-"
+        share = oracle_share(statistics.mean(delta), oracle_gain) if mode != BASELINE else "-"
         cells = " | ".join(f"{r['none']:.1f} / {r['tta']:.1f}" for r in rows)
         means = f"{mean_sd([r['none'] for r in rows])} | {mean_sd([r['tta'] for r in rows])}"
         seconds = statistics.mean(r["seconds"] for r in rows)
@@ -314,7 +329,11 @@ def main() -> None:
                    statistics.mean(delta) >= 6),
                   (f"learned TRA without TTA - heuristic without TTA >= 4 (mean {statistics.mean(delta_none):+.1f})",
                    statistics.mean(delta_none) >= 4)] + checks  # fmt: skip
-    lines += [f"- {verdict(ok)} {text}" for text, ok in checks]
+    if oracle_gain is not None and oracle_gain < MIN_ORACLE_GAIN:
+        lines += [f"The oracle gains {oracle_gain:+.1f} Dice points on this shift (< {MIN_ORACLE_GAIN:g}): setting the "
+                  "ops that undo it by hand is worth nothing here, so the targets do not apply; read whether the "
+                  "learned runs stay level with the heuristic.", ""]  # fmt: skip
+    lines += [f"- {verdict(ok, oracle_gain)} {text}" for text, ok in checks]
     report = "\n".join(lines) + "\n"
     print("\n" + report)
     args.out.mkdir(parents=True, exist_ok=True)

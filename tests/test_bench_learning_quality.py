@@ -108,3 +108,12 @@ def test_parallel_runs_share_out_the_cores(bench, monkeypatch):
     assert bench.threads_per_run(jobs=3, threads=0) == 2
     assert bench.threads_per_run(jobs=16, threads=0) == 1
     assert bench.threads_per_run(jobs=2, threads=3) == 3  # an explicit --threads wins
+
+
+def test_targets_and_shares_do_not_apply_where_the_oracle_gains_nothing(bench):
+    """A shift the heuristic already copes with (the ``blur`` shift: the oracle −0.6): no share, targets N/A."""
+    assert bench.verdict(True) == "PASS" and bench.verdict(False) == "MISS"  # no oracle run: the targets apply
+    assert bench.verdict(False, oracle_gain=14.0) == "MISS" and bench.verdict(True, oracle_gain=1.0) == "PASS"
+    assert bench.verdict(True, oracle_gain=0.99) == bench.verdict(False, oracle_gain=-0.6) == "N/A"
+    assert bench.oracle_share(7.0, 14.0) == "50 %" and bench.oracle_share(18.1, 14.0) == "129 %"
+    assert bench.oracle_share(0.1, -0.6) == bench.oracle_share(0.5, 0.5) == bench.oracle_share(3.0, None) == "-"
