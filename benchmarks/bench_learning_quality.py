@@ -122,7 +122,6 @@ def oracle_flip_off_policy_file(out: Path, undone_by: dict, groups: tuple[int, .
     """A ``policies.json`` whose TRA policy is the oracle (:func:`oracle_preset`, both groups) with every
     shift-undoing ``mirror_*`` flip off (identity 1) in ``groups``, for ``tra_mode fixed``: is the flip that undoes
     the shift's mirroring worth any Dice there? (The heuristic already draws it at 0.5.)"""
-
     from jcsaug.policy import make_tra_policy
     from jcsaug.policy.io import save_policies
 
