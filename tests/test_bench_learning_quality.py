@@ -39,6 +39,32 @@ def test_oracle_sets_each_undoing_op_to_one_half_in_a_real_policy(bench, shift):
             assert policy.probabilities()[s].tolist() == nnunet.probabilities()[s].tolist()
 
 
+@pytest.mark.parametrize("shift", ["default", "gamma"])
+def test_the_partial_oracle_also_sets_the_random_sign_ops(bench, shift):
+    """``oracle-partial+mirror``: the oracle plus the "partial" (random-sign) ops at identity 0.5 / op 0.5; on the
+    ``gamma`` shift, whose only aspect is partial, ``oracle+mirror`` is the heuristic itself."""
+    undone = shift_undoing_ops(TARGET_SHIFTS[shift])
+    full, plain = bench.oracle_preset(undone, partial=True), bench.oracle_preset(undone)
+    partial = [e for e in undone["tra"] if e.get("partial")]
+    assert partial and all(e["series"] not in plain for e in partial)
+    policy = make_tra_policy(json.loads(json.dumps(full)), num_groups=2)
+    for entry in partial:
+        s = policy.series_names.index(entry["series"])
+        probs = policy.probabilities()[s]
+        assert probs[:, 0].tolist() == pytest.approx([0.5, 0.5], abs=1e-5)
+        assert probs[:, policy.op_names[s].index(entry["op"])].tolist() == pytest.approx([0.5, 0.5], abs=1e-5)
+    assert {k: v for k, v in full.items() if k not in {e["series"] for e in partial}} == plain
+    if shift == "gamma":
+        assert plain == {"base": "nnunet"}
+
+
+def test_the_ceiling_is_the_larger_gain_of_the_oracles_run(bench):
+    assert bench.oracle_gain_of({}) is None
+    assert bench.oracle_gain_of({"oracle+mirror": [0.1, -0.5], "oracle-partial+mirror": [4.0, 2.0]}) == 3.0
+    assert bench.oracle_gain_of({"oracle+mirror": [14.0, 15.0]}) == 14.5
+    assert set(bench.ORACLE_GAIN_MODES) <= set(bench.MODES)
+
+
 @pytest.mark.parametrize("group", [0, 1])
 def test_a_per_group_oracle_is_the_oracle_in_that_group_and_the_heuristic_in_the_other(bench, tmp_path, group):
     """``oracle-background+mirror`` / ``oracle-lesion+mirror``: the policy file ``tra_mode fixed`` reads."""

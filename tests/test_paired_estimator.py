@@ -317,6 +317,16 @@ def test_dataset_metadata_names_the_ops_that_undo_each_shift(tmp_path):
     assert other["tea"][-1] == ["gamma_expand_0.5"]  # a power below 1 is undone by the expanding gamma
     blur = shift_undoing_ops(TARGET_SHIFTS["blur"])  # no geometric aspect: the blur alone
     assert blur == {"tra": [{"series": "blur_sharpen", "op": "blur[0.8,1)"}], "tea": [["sharpen_0.9"]]}
+    gamma = shift_undoing_ops(TARGET_SHIFTS["gamma"])  # the default's intensity change alone
+    assert gamma == {"tra": [{"series": "gamma", "op": "gamma±[0.4,0.6)", "partial": True}],
+                     "tea": [["gamma_compress_0.5"]]}  # fmt: skip
+    # the ops are looked up in the catalogues: the bin that holds the magnitude, the nearest one outside them
+    weak = shift_undoing_ops({**TARGET_SHIFTS["blur"], "blur": (0.5, 0.55)})
+    assert weak == {"tra": [{"series": "blur_sharpen", "op": "blur[0.4,0.6)"}], "tea": [["sharpen_0.5"]]}
+    strong = shift_undoing_ops({**TARGET_SHIFTS["blur"], "blur": (2.0, 2.5)})
+    assert strong == {"tra": [{"series": "blur_sharpen", "op": "blur[0.8,1)"}], "tea": [["sharpen_0.9"]]}
+    slight = shift_undoing_ops({**TARGET_SHIFTS["rotate-longitudinal"], "gamma": (1.05, 1.1)})
+    assert slight["tra"][-1]["op"] == "gamma±[0,0.2)" and slight["tea"][-1] == ["gamma_compress_0.1"]
 
     path = make_synthetic_dataset(tmp_path / "d", 1, 1, 1, shape=(24, 24, 24), target_shift="rotate-longitudinal",
                                   progress=False)  # fmt: skip

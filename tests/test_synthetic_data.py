@@ -144,6 +144,22 @@ def test_the_blur_shift_is_the_tra_blur_of_the_plain_case_and_changes_nothing_el
     np.testing.assert_array_equal(a[0], synthesize_case(np.random.default_rng(9), SHAPE, "target")[0])
 
 
+def test_the_gamma_shift_is_the_default_gamma_of_the_plain_case_and_nothing_else() -> None:
+    """``gamma``: the source case (same lesions, same place), its image robustly rescaled to [0, 1], raised to the
+    gamma drawn next and z-scored: the default shift's intensity change without its rotation and mirror."""
+    shift = TARGET_SHIFTS["gamma"]
+    rng, plain_rng = np.random.default_rng(5), np.random.default_rng(5)
+    image, label = synthesize_case(rng, SHAPE, shift)
+    plain, plain_label = synthesize_case(plain_rng, SHAPE, "source")
+    power = plain_rng.uniform(*shift["gamma"])
+    assert 1.4 <= power < 1.6
+    np.testing.assert_array_equal(label, plain_label)
+    lo, hi = np.percentile(plain, [0.5, 99.5])  # the rescaling does not see the plain case's z-scoring
+    expected = np.clip((plain - lo) / (hi - lo), 0.0, 1.0) ** power
+    np.testing.assert_allclose(image, (expected - expected.mean()) / expected.std(), atol=1e-4)
+    assert _skewness(image) > _skewness(plain) + 0.2
+
+
 def test_existing_dataset_is_not_rewritten(tmp_path: Path) -> None:
     path = make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False)
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())

@@ -26,8 +26,9 @@ intensity           z-scored                                   robustly rescaled
 ==================  =========================================  =========================================
 
 :data:`TARGET_SHIFTS` names other target domains built the same way: ``rotate-longitudinal`` (lesions along array
-axis 1, no mirror, a gamma below 1) and ``blur`` (no geometric change, no gamma: the z-scored image smoothed by a
-Gaussian of sigma 0.8-1 voxel, as a softer scanner would give).
+axis 1, no mirror, a gamma below 1), ``blur`` (no geometric change, no gamma: the z-scored image smoothed by a
+Gaussian of sigma 0.8-1 voxel, as a softer scanner would give) and ``gamma`` (the default shift's intensity
+change alone: no geometric change, the rescaled image raised to a gamma in [1.4, 1.6)).
 
 Layout written under ``out_dir`` (file names are unique across splits, numbered training first)::
 
@@ -91,6 +92,9 @@ TARGET_SHIFTS: dict[str, dict] = {
     # no geometric change and no gamma: the z-scored image blurred (sigma 0.8-1 voxel), an intensity change of
     # another kind (undone by the TRA's strongest blur, roughly by the TEA's sharpening)
     "blur": {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": (0.8, 1.0)},
+    # the default shift's intensity change alone (no geometric change): an intensity shift that costs the heuristic
+    # Dice, undone in part by the TRA's random-sign gamma (half its draws go the shift's way)
+    "gamma": {"long_axis": 0, "mirror_axis0": False, "gamma": (1.4, 1.6), "blur": None},
 }
 _FG_RANGE = (0.011, 0.029)  # accepted foreground fraction (inside the promised 1-3 %)
 _TISSUE_LEVELS = (0.35, 0.5, 0.7)
@@ -114,16 +118,41 @@ def _describe(target: Mapping) -> str:
     return ", ".join(parts) or "no shift"
 
 
+def _tra_op(series: str, kind: str, magnitude: float) -> str:
+    """The name of the op of TRA series ``series`` and ``kind`` whose magnitude bin holds ``magnitude`` (the nearest
+    bin when none does), looked up in the catalogue (:data:`jcsaug.ops.tra.TRA_SERIES`)."""
+    from jcsaug.ops.tra import TRA_SERIES
+
+    ops = [op for op in next(s for s in TRA_SERIES if s.name == series).ops if op.kind == kind]
+    return min(ops, key=lambda op: max(op.low - magnitude, magnitude - op.high, 0.0)).name
+
+
+def _tea_op(kind: str, magnitude: float, sign: int = 1) -> str:
+    """The name of the TEA op of ``kind`` and ``sign`` whose magnitude is nearest ``magnitude``
+    (:data:`jcsaug.ops.tea.TEA_OPS`)."""
+    from jcsaug.ops.tea import TEA_OPS
+
+    ops = [op for op in TEA_OPS if op.kind == kind and op.sign == sign]
+    return min(ops, key=lambda op: abs(op.magnitude - magnitude)).name
+
+
+def _power_magnitude(power: float) -> float:
+    """The magnitude ``M`` of a gamma exponent, as the catalogues' ``(1 + M) ** ±1``."""
+    return power - 1.0 if power >= 1.0 else 1.0 / power - 1.0
+
+
 def shift_undoing_ops(target: Mapping, source: Mapping = _DOMAINS["source"]) -> dict:
     """The TRA and TEA ops of the catalogues (SPEC §2-3) that undo a target domain's shift, by name.
 
     TRA ops make a source patch look like the target (``{"series", "op"}``, one per aspect of the shift; the gamma
     op is marked ``"partial"``: its sign is drawn, so half of its draws reproduce the shift and half go the other
     way); TEA ops map a target image back to the source (per aspect, the list of TEA op names that each undo it,
-    e.g. both quarter turns). Read by the learning-quality benchmark from ``dataset.json`` (its oracle sets the
-    TRA ops by hand; it reports the learned probabilities of both), never by the learning itself.
+    e.g. both quarter turns). The ops are looked up in the catalogues: the TRA bin that holds the shift's magnitude
+    (the nearest outside them), the TEA op of the nearest magnitude. Read by the learning-quality benchmark from
+    ``dataset.json`` (its oracle sets the TRA ops by hand; it reports the learned probabilities of both), never by
+    the learning itself.
     """
-    tra: list[dict[str, str]] = []
+    tra: list[dict] = []
     tea: list[list[str]] = []
     if target["long_axis"] != source["long_axis"]:  # a quarter turn about the third axis
         axis = _AXIS_NAMES[3 - target["long_axis"] - source["long_axis"]]
@@ -134,17 +163,13 @@ def shift_undoing_ops(target: Mapping, source: Mapping = _DOMAINS["source"]) -> 
         tea.append(["mirror_sagittal"])
     if target["gamma"] is not None:
         power = sum(target["gamma"]) / 2.0  # target = rescaled source ** power
-        magnitude = power - 1.0 if power >= 1.0 else 1.0 / power - 1.0  # the ops' (1 + M) ** ±1
-        low = min(int(magnitude / 0.2), 2) * 0.2
-        tra.append({"series": "gamma", "op": f"gamma±[{low:g},{low + 0.2:g})", "partial": True})
-        nearest = min((0.1, 0.3, 0.5), key=lambda m: abs(m - magnitude))
-        tea.append([f"gamma_{'compress' if power >= 1.0 else 'expand'}_{nearest:g}"])
+        magnitude = _power_magnitude(power)
+        tra.append({"series": "gamma", "op": _tra_op("gamma", "gamma", magnitude), "partial": True})
+        tea.append([_tea_op("gamma", magnitude, sign=-1 if power >= 1.0 else 1)])  # the exponent 1 / power
     if target.get("blur") is not None:
         sigma = sum(target["blur"]) / 2.0
-        low = min(max(int((sigma - 0.4) / 0.2), 0), 2) * 0.2 + 0.4  # the TRA's bins [0.4, 0.6), [0.6, 0.8), [0.8, 1)
-        tra.append({"series": "blur_sharpen", "op": f"blur[{low:g},{low + 0.2:g})"})
-        nearest = min((0.5, 0.7, 0.9), key=lambda m: abs(m - sigma))
-        tea.append([f"sharpen_{nearest:g}"])  # x - LoG(x, sigma): undoes a blur of about that sigma, roughly
+        tra.append({"series": "blur_sharpen", "op": _tra_op("blur_sharpen", "blur", sigma)})
+        tea.append([_tea_op("sharpen", sigma)])  # x - LoG(x, sigma): undoes a blur of about that sigma, roughly
     return {"tra": tra, "tea": tea}
 
 
