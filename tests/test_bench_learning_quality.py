@@ -65,6 +65,35 @@ def test_the_ceiling_is_the_larger_gain_of_the_oracles_run(bench):
     assert set(bench.ORACLE_GAIN_MODES) <= set(bench.MODES)
 
 
+def test_the_oracle_tea_policy_weighs_the_identity_and_the_undoing_ops_equally(bench, tmp_path):
+    """``heuristic+oracle-tea``: the TEA policy file ``tea_mode fixed`` reads, and the ``tea_z`` that tests with
+    exactly those ops."""
+    from jcsaug.inference import TEAInferer
+    from jcsaug.policy.io import load_policies
+
+    undone = shift_undoing_ops(TARGET_SHIFTS["default"])
+    path, z = bench.oracle_tea_policy_file(tmp_path, undone)
+    names = ["identity", "rotate_frontal_acw_90", "rotate_frontal_cw_90", "mirror_sagittal", "gamma_compress_0.5"]
+    assert z == len(names)
+    tra, tea = load_policies(path)
+    assert tra is None
+    inferer = TEAInferer.from_policy(tea, z)
+    assert sorted(op.name for op in inferer.ops) == sorted(names)
+    assert [float(w) for w in inferer.weights] == pytest.approx([1 / z] * z, abs=1e-4)
+    assert bench.MODES["heuristic+oracle-tea"] == {"tra_mode": "heuristic", "tea_mode": "fixed"}
+
+
+def test_tra_targets_do_not_apply_where_only_a_test_time_oracle_gains(bench):
+    """The TRA-only targets are judged against the TRA oracles' gain, the others against the largest oracle's."""
+    checks = [("joint >= 6", False, 3.0), ("no TTA >= 4", False, 0.3), ("TEA op in top 8", True, 3.0)]
+    lines = bench.target_lines(checks, oracle_gain=3.0, tra_gain=0.3)
+    assert "the TRA-only targets do not apply" in lines[0]
+    assert lines[2:] == ["- MISS joint >= 6", "- N/A no TTA >= 4", "- PASS TEA op in top 8"]
+    nothing = bench.target_lines([("joint >= 6", True, -0.2)], oracle_gain=-0.2, tra_gain=-0.2)
+    assert "the targets do not apply" in nothing[0] and nothing[-1] == "- N/A joint >= 6"
+    assert bench.target_lines([("joint >= 6", True, None)], None, None) == ["- PASS joint >= 6"]  # no oracle run
+
+
 @pytest.mark.parametrize("group", [0, 1])
 def test_a_per_group_oracle_is_the_oracle_in_that_group_and_the_heuristic_in_the_other(bench, tmp_path, group):
     """``oracle-background+mirror`` / ``oracle-lesion+mirror``: the policy file ``tra_mode fixed`` reads."""

@@ -84,6 +84,21 @@ def test_posthoc_tea_and_train_on_val(tmp_path):
     assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())) == {"none", "learned", "policy_updates"}
 
 
+def test_fixed_modes_reuse_both_policies_of_a_policies_json(trained, tmp_path):
+    """``--tra_mode fixed --tra_policy F --tea_mode fixed --tea_policy F``: a new training with the learned policies
+    of another run, unchanged: no updates; the run's policies.json holds them as they were; tested with the TEA."""
+    run = trained[0] / "run"
+    small_dataset(tmp_path)
+    run_bundle(tmp_path, "train.yaml", max_epochs=1, epoch_length=2, num_workers=0, tra_mode="fixed",
+               tra_policy=run / "policies.json", tea_mode="fixed", tea_policy=run / "policies.json")  # fmt: skip
+    tra, tea = load_policies(run / "policies.json")
+    reused_tra, reused_tea = load_policies(tmp_path / "run" / "policies.json")
+    torch.testing.assert_close(reused_tra.logits, tra.logits)
+    torch.testing.assert_close(reused_tea.logits, tea.logits)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert set(metrics) == {"none", "learned", "policy_updates"} and metrics["policy_updates"] == {}
+
+
 def test_tra_cascade_on_the_device(tmp_path):
     """augment_on: device (the default on a GPU): BatchTRACascaded on every batch, and the TRA update still learns."""
     small_dataset(tmp_path)

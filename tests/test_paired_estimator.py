@@ -267,6 +267,28 @@ def test_fixed_mode_reuses_a_learned_policy_unchanged(tmp_path):
         AugmentationSetup("fixed", "none", tra_policy_file=only_tea)
 
 
+def test_fixed_tea_mode_tests_with_a_learned_tea_policy_unchanged(tmp_path):
+    """``tea_mode fixed``: the TEA policy of a ``policies.json``, tested with as the learned TTA, never updated."""
+    from jcsaug.policy import make_tea_policy
+
+    learned = make_tea_policy("nnunet")
+    with torch.no_grad():
+        learned.logits[0, 14] += 4.0  # "learned": rotate_frontal_acw_90 on top
+    path = save_policies(tmp_path / "policies.json", make_tra_policy("nnunet", num_groups=2), learned)
+    setup = AugmentationSetup("heuristic", "fixed", tea_policy_file=path)
+    torch.testing.assert_close(setup.tea_policy.probabilities()[0], learned.probabilities()[0])
+    assert not setup.learn_tea and setup.tests_learned_tea and setup.test_methods == ["none", "learned"]
+    assert not setup.tea_policy.logits.requires_grad
+    net = tiny_unet()
+    assert setup.updaters(net, torch.optim.SGD(net.parameters(), lr=0.01), [lesion_batch(4)]) == []
+    assert setup.test_tea_policy() is setup.tea_policy  # no post-hoc learning either
+    with pytest.raises(ValueError, match="tea_mode 'fixed' needs the policies.json to reuse: set tea_policy"):
+        AugmentationSetup("heuristic", "fixed")
+    only_tra = save_policies(tmp_path / "tra_only.json", make_tra_policy("nnunet"))
+    with pytest.raises(ValueError, match="holds no TEA policy"):
+        AugmentationSetup("heuristic", "fixed", tea_policy_file=only_tra)
+
+
 # ------------------------------------------------------------------------------------------- validation sample
 @method
 def test_validation_pool_and_running_average():

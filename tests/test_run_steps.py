@@ -48,12 +48,17 @@ def test_every_tra_mode_builds_its_policy_and_updater(tra_mode, tmp_path):
 
 
 @pytest.mark.parametrize("tea_mode", list_tea_modes())
-def test_every_tea_mode_builds_its_updater_test_policy_and_methods(tea_mode):
+def test_every_tea_mode_builds_its_updater_test_policy_and_methods(tea_mode, tmp_path):
     mode = get_tea_mode(tea_mode)
-    setup = AugmentationSetup("heuristic", tea_mode)
+    learned = make_tea_policy("uniform")
+    with torch.no_grad():
+        learned.logits[0, 3] += 1.0
+    path = save_policies(tmp_path / "policies.json", None, learned)  # for `fixed`
+    setup = AugmentationSetup("heuristic", tea_mode, tea_policy_file=path)
     assert setup.test_methods == ["none"] + ([mode.test_method] if mode.test_method else [])
     assert (_updaters(setup, tiny_unet()).tea is not None) == mode.joint
-    assert setup.tests_learned_tea == (mode.joint or mode.posthoc)
+    assert setup.tests_learned_tea == (mode.joint or mode.posthoc or mode.from_file)
+    assert torch.equal(setup.tea_policy.logits, learned.logits) == mode.from_file
 
 
 def test_checkpoint_items_do_not_depend_on_the_order_of_the_steps():

@@ -83,12 +83,15 @@ class TEAMode:
             name), or ``None``.
         joint: the TEA policy is learned during training (a :class:`TEAPolicyUpdater`), jointly with TRA.
         posthoc: the TEA policy is learned after training, on the frozen network.
+        from_file: the policy is the TEA policy of a ``policies.json`` (the setup's ``tea_policy_file``), tested
+            with unchanged (never learned).
     """
 
     name: str
     test_method: str | None = None
     joint: bool = False
     posthoc: bool = False
+    from_file: bool = False
 
 
 TRA_MODES: Registry[TRAMode] = Registry("tra_mode")
@@ -116,6 +119,7 @@ for _tea in (
     TEAMode("heuristic", test_method="heuristic"),
     TEAMode("learned-posthoc", test_method="learned", posthoc=True),
     TEAMode("joint", test_method="learned", joint=True),
+    TEAMode("fixed", test_method="learned", from_file=True),
 ):
     register_tea_mode(_tea)
 
@@ -167,6 +171,7 @@ class AugmentationSetup:
         tea_preset: initial TEA probabilities.
         num_groups: class groups of a class-specific policy (2 = background/foreground).
         tra_policy_file: the ``policies.json`` whose TRA policy the ``fixed`` mode uses (any number of groups).
+        tea_policy_file: the ``policies.json`` whose TEA policy ``tea_mode`` ``fixed`` tests with.
         tra_estimator: ``"gumbel"`` (the paper's) or ``"paired"`` (see :class:`TRAPolicyUpdater`).
         tra_counterfactuals: counterfactual copies per training patch for the ``"paired"`` estimator; read
             :attr:`counterfactuals` for the pipeline's ``TRACascaded``.
@@ -184,6 +189,7 @@ class AugmentationSetup:
         tra_estimator: str = "gumbel",
         tra_counterfactuals: int = 2,
         tea_estimator: str = "gumbel",
+        tea_policy_file: str | Path | None = None,
     ) -> None:
         self.tra, self.tea = get_tra_mode(tra_mode), get_tea_mode(tea_mode)
         self.tra_mode, self.tea_mode = self.tra.name, self.tea.name
@@ -193,25 +199,27 @@ class AugmentationSetup:
         if self.tra_estimator == "paired" and self.tra.learned and self.tra_counterfactuals < 1:
             raise ValueError(f"tra_counterfactuals={tra_counterfactuals}: the paired TRA estimator needs at least 1")
         if self.tra.from_file:
-            self.tra_policy = self._policy_from_file(tra_policy_file)
+            self.tra_policy = self._policy_from_file(tra_policy_file, "tra")
         else:
             preset = tra_preset if self.tra.preset is None else self.tra.preset
             self.tra_policy = make_tra_policy(preset, num_groups=num_groups if self.tra.class_specific else 1)
-        self.tea_policy = make_tea_policy(tea_preset)
+        self.tea_policy = (
+            self._policy_from_file(tea_policy_file, "tea") if self.tea.from_file else make_tea_policy(tea_preset)
+        )
         #: copies of the policies as built, before any learning: what the run's changes are measured against
         self.initial_policies = (copy.deepcopy(self.tra_policy), copy.deepcopy(self.tea_policy))
         self._posthoc_learned = False
 
-    def _policy_from_file(self, path: str | Path | None) -> CategoricalPolicy:
+    def _policy_from_file(self, path: str | Path | None, which: str) -> CategoricalPolicy:
+        """The ``which`` (``"tra"`` / ``"tea"``) policy of the ``policies.json`` at ``path``, never learned."""
+        mode = f"{which}_mode {getattr(self, f'{which}_mode')!r}"
         if not path:
-            raise ValueError(
-                f"tra_mode {self.tra_mode!r} needs the policies.json to reuse: set tra_policy (a file path)"
-            )
-        tra, _ = load_policies(path)
-        if tra is None:
-            raise ValueError(f"{path} holds no TRA policy (tra_mode {self.tra_mode!r})")
-        tra.logits.requires_grad_(False)  # never learned
-        return tra
+            raise ValueError(f"{mode} needs the policies.json to reuse: set {which}_policy (a file path)")
+        policy = load_policies(path)[0 if which == "tra" else 1]
+        if policy is None:
+            raise ValueError(f"{path} holds no {which.upper()} policy ({mode})")
+        policy.logits.requires_grad_(False)  # never learned
+        return policy
 
     @property
     def counterfactuals(self) -> int:
@@ -229,8 +237,8 @@ class AugmentationSetup:
 
     @property
     def tests_learned_tea(self) -> bool:
-        """Whether the run is tested with a learned TEA policy (joint or post hoc)."""
-        return self.tea.joint or self.tea.posthoc
+        """Whether the run is tested with a learned TEA policy (joint, post hoc, or one read from a file)."""
+        return self.tea.joint or self.tea.posthoc or self.tea.from_file
 
     @property
     def test_methods(self) -> list[str]:
