@@ -289,15 +289,18 @@ def test_the_tea_scores_its_ops_on_patches_of_tea_patch_size(monkeypatch, tmp_pa
                                                              expected):  # fmt: skip
     """Issue 10: the TEA updater reads ``tea_val_loader`` — lesion-centred validation patches of ``tea_patch_size``
     (None: ``patch_size``; larger than the volume: the volume whole) — while the TRA keeps ``val_loader``'s."""
-    from jcsaug.policy.transforms import centre_class
-
     parser = _workflow(monkeypatch, tmp_path, dataset, tea_patch_size=tea_patch_size).parser
     tea_loader, val_loader = parser.get_parsed_content("tea_val_loader"), parser.get_parsed_content("val_loader")
+    # lesion-centred: each crop starts where a lesion voxel's crop would (MONAI moves a centre near the border of the
+    # 32³ volume inside it, so the centre voxel itself need not be lesion); the start is the crop's affine translation
+    n = expected[0]
+    lesions = [torch.nonzero(torch.as_tensor(v["label"])[0] != 0) for v in tea_loader.dataset.data]
+    lesion_starts = [p.clamp(n // 2, 32 - n // 2) - n // 2 for p in lesions]
     for batch in tea_loader:
         assert list(batch["image"].shape[2:]) == list(batch["label"].shape[2:]) == expected
         assert bool((batch["label"] != 0).any())
-        if expected != [32, 32, 32]:
-            assert centre_class(batch["label"][0]) == 1
+        for start in batch["label"].affine[:, :3, 3].round().long():
+            assert any(bool((s == start).all(dim=1).any()) for s in lesion_starts), start
     assert list(next(iter(val_loader))["image"].shape[2:]) == [24, 24, 24]
     updaters = parser.get_parsed_content("policy_updaters")
     assert updaters.tea.val_stream.loader is tea_loader and updaters.tra.val_stream.loader is val_loader
