@@ -92,8 +92,8 @@ TARGET_SHIFTS: dict[str, dict] = {
     # no geometric change and no gamma: the z-scored image blurred (sigma 0.8-1 voxel), an intensity change of
     # another kind (undone by the TRA's strongest blur, roughly by the TEA's sharpening)
     "blur": {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": (0.8, 1.0)},
-    # the default shift's intensity change alone (no geometric change): an intensity shift that costs the heuristic
-    # Dice, undone in part by the TRA's random-sign gamma (half its draws go the shift's way)
+    # the default shift's intensity change alone (no geometric change): costs the heuristic Dice; no TRA op undoes it
+    # (the catalogue's gamma rescales by each patch's own range and draws its sign), the TEA's gamma compression does
     "gamma": {"long_axis": 0, "mirror_axis0": False, "gamma": (1.4, 1.6), "blur": None},
 }
 _FG_RANGE = (0.011, 0.029)  # accepted foreground fraction (inside the promised 1-3 %)
