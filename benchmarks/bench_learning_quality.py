@@ -339,15 +339,15 @@ def main() -> None:
              + " | mean none | mean TTA | Δ TTA vs baseline | share of oracle gain | s / run |",
              "|---" * (len(args.seeds) + 6) + "|"]  # fmt: skip
     base = {s: results[(BASELINE, s)] for s in args.seeds}
-    gains = {m: [results[(m, s)]["tta"] - base[s]["tta"] for s in args.seeds] for m in modes if m in ORACLE_GAIN_MODES}
-    oracle_gain = oracle_gain_of(gains)
-    tra_oracle_gain = oracle_gain_of({m: g for m, g in gains.items() if m in TRA_ORACLE_MODES})
-    summary = {}
+    # per mode, per seed: the gain over the baseline with TTA, and without
+    summary = {m: tuple([results[(m, s)][k] - base[s][k] for s in args.seeds] for k in ("tta", "none")) for m in modes}
+    oracle_gain = oracle_gain_of({m: summary[m][0] for m in modes if m in ORACLE_GAIN_MODES})
+    # (target, met, the oracle gain it is judged against): the TRA-only targets against the TRA's oracles
+    tra_gain = oracle_gain_of({m: summary[m][0] for m in modes if m in TRA_ORACLE_MODES})
+    tra_gain = oracle_gain if tra_gain is None else tra_gain
     for mode in modes:
         rows = [results[(mode, s)] for s in args.seeds]
-        delta = [r["tta"] - base[s]["tta"] for r, s in zip(rows, args.seeds)]
-        delta_none = [r["none"] - base[s]["none"] for r, s in zip(rows, args.seeds)]
-        summary[mode] = (delta, delta_none)
+        delta = summary[mode][0]
         share = oracle_share(statistics.mean(delta), oracle_gain) if mode != BASELINE else "-"
         cells = " | ".join(f"{r['none']:.1f} / {r['tta']:.1f}" for r in rows)
         means = f"{mean_sd([r['none'] for r in rows])} | {mean_sd([r['tta'] for r in rows])}"
@@ -356,8 +356,6 @@ def main() -> None:
     lines += ["", "Final probabilities of the TRA ops that undo the shift (per class group, per seed), and the ranks "
               "of the TEA ops that undo it (best of the equivalent ops, per seed):", ""]  # fmt: skip
     learned = [m for m in modes if MODES[m]["tra_mode"] in ("learned", "class-specific")]
-    # (target, met, the oracle gain it is judged against): the TRA-only targets against the TRA's oracles
-    tra_gain = oracle_gain if tra_oracle_gain is None else tra_oracle_gain
     checks = []
     for mode in learned:
         for entry in undone_by["tra"]:
