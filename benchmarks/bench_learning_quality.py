@@ -29,6 +29,9 @@ the mode's overrides, ``seed`` and ``--set`` overrides. The modes (:data:`MODES`
   equal weight, ``tea_mode fixed`` with that policy and ``tea_z`` = their number): what knowing the answer is worth
   at test time; the shares and the joint and TEA targets refer to the largest oracle gain, the TRA-only targets to
   the TRA oracles' (``oracle+mirror``, ``oracle-partial+mirror``);
+* ``heuristic+learned-tea``: heuristic TRA, the TEA learned during training (``tea_mode joint``; no TRA is learned):
+  does the TEA find the shift-undoing ops where they are worth most, on a network that never learned to undo the
+  shift? Set beside ``heuristic+oracle-tea``;
 * ``oracle-background+mirror``, ``oracle-lesion+mirror``: the oracle in one class group only (background- or
   lesion-centred patches; the other group keeps the heuristic), as a fixed TRA policy: whether a class-specific
   policy needs the shift-undoing ops in both groups;
@@ -76,6 +79,8 @@ MODES: dict[str, dict[str, str]] = {
     "oracle-partial+mirror": {"tra_mode": "heuristic", "tea_mode": "heuristic"},
     # the heuristic TRA tested with the TEA ops that undo the shift (a fixed TEA policy file)
     "heuristic+oracle-tea": {"tra_mode": "heuristic", "tea_mode": "fixed"},
+    # the heuristic TRA, the TEA learned during its training (the TEA's estimator where its ops are worth most)
+    "heuristic+learned-tea": {"tra_mode": "heuristic", "tea_mode": "joint"},
     # the oracle in one class group only (the other keeps the heuristic): a fixed two-group TRA policy file
     "oracle-background+mirror": {"tra_mode": "fixed", "tea_mode": "heuristic"},
     "oracle-lesion+mirror": {"tra_mode": "fixed", "tea_mode": "heuristic"},
@@ -283,6 +288,42 @@ def target_lines(checks: list[tuple[str, bool, float | None]], oracle_gain: floa
     return lines + [f"- {verdict(ok, gain)} {text}" for text, ok, gain in checks]
 
 
+def undoing_op_report(
+    modes: list[str],
+    results: dict[tuple[str, int], dict],
+    seeds: list[int],
+    undone_by: dict,
+    tea_z: int,
+    tra_gain: float | None,
+    oracle_gain: float | None,
+) -> tuple[list[str], list[tuple[str, bool, float | None]]]:
+    """The report's lines on the shift-undoing ops, and their targets ``(text, met, oracle gain judged against)``:
+    per mode that learns a TRA, each undoing TRA op's final probability per class group and seed; per mode that
+    learns its TEA during training (``tea_mode joint``, with a learned or a heuristic TRA), the rank of the best
+    TEA op of each aspect of the shift per seed."""
+    lines: list[str] = []
+    checks: list[tuple[str, bool, float | None]] = []
+    for mode in modes:
+        learns_tra = MODES[mode]["tra_mode"] in ("learned", "class-specific")
+        for entry in undone_by["tra"] if learns_tra else []:
+            probs = [tra_probability(results[(mode, s)]["policies"], entry["series"], entry["op"]) for s in seeds]
+            text = "; ".join(", ".join(f"{p:.2f}" for p in groups) for groups in probs)
+            lines.append(f"- {mode}: TRA `{entry['series']}/{entry['op']}`: {text}")
+            if entry.get("partial"):  # a random-sign op: half its draws undo the shift (reported, no target)
+                lines[-1] += " (partial: its sign is drawn; no target)"
+                continue
+            met = min(statistics.mean(p[g] for p in probs) for g in range(len(probs[0]))) >= 0.3
+            checks.append((f"{mode}: TRA {entry['series']}/{entry['op']} >= 0.3 in every group (mean over seeds)",
+                           met, tra_gain))  # fmt: skip
+        if MODES[mode]["tea_mode"] == "joint":
+            for aspect in undone_by["tea"]:
+                ranks = [min(tea_ranks(results[(mode, s)]["policies"])[name] for name in aspect) for s in seeds]
+                lines.append(f"- {mode}: TEA {' / '.join(aspect)}: rank {', '.join(map(str, ranks))}")
+                checks.append((f"{mode}: TEA {aspect[0]} (or equivalent) in the top {tea_z} (median seed)",
+                               statistics.median(ranks) <= tea_z, oracle_gain))  # fmt: skip
+    return lines, checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -355,34 +396,8 @@ def main() -> None:
         lines.append(f"| {mode} | {cells} | {means} | {mean_sd(delta)} | {share} | {seconds:.0f} |")
     lines += ["", "Final probabilities of the TRA ops that undo the shift (per class group, per seed), and the ranks "
               "of the TEA ops that undo it (best of the equivalent ops, per seed):", ""]  # fmt: skip
-    learned = [m for m in modes if MODES[m]["tra_mode"] in ("learned", "class-specific")]
-    checks = []
-    for mode in learned:
-        for entry in undone_by["tra"]:
-            probs = [tra_probability(results[(mode, s)]["policies"], entry["series"], entry["op"]) for s in args.seeds]
-            text = "; ".join(", ".join(f"{p:.2f}" for p in groups) for groups in probs)
-            lines.append(f"- {mode}: TRA `{entry['series']}/{entry['op']}`: {text}")
-            if entry.get("partial"):  # a random-sign op: half its draws undo the shift (reported, no target)
-                lines[-1] += " (partial: its sign is drawn; no target)"
-                continue
-            checks.append(
-                (
-                    f"{mode}: TRA {entry['series']}/{entry['op']} >= 0.3 in every group (mean over seeds)",
-                    min(statistics.mean(p[g] for p in probs) for g in range(len(probs[0]))) >= 0.3,
-                    tra_gain,
-                )
-            )
-        if MODES[mode]["tea_mode"] == "joint":
-            for aspect in undone_by["tea"]:
-                ranks = [min(tea_ranks(results[(mode, s)]["policies"])[name] for name in aspect) for s in args.seeds]
-                lines.append(f"- {mode}: TEA {' / '.join(aspect)}: rank {', '.join(map(str, ranks))}")
-                checks.append(
-                    (
-                        f"{mode}: TEA {aspect[0]} (or equivalent) in the top {args.tea_z} (median seed)",
-                        statistics.median(ranks) <= args.tea_z,
-                        oracle_gain,
-                    )
-                )
+    undoing_lines, checks = undoing_op_report(modes, results, args.seeds, undone_by, args.tea_z, tra_gain, oracle_gain)
+    lines += undoing_lines
     lines += ["", "Targets:", ""]
     if "class-specific+joint" in summary:
         delta, delta_none = summary["class-specific+joint"]

@@ -172,3 +172,33 @@ def test_targets_and_shares_do_not_apply_where_the_oracle_gains_nothing(bench):
     assert bench.verdict(True, oracle_gain=0.99) == bench.verdict(False, oracle_gain=-0.6) == "N/A"
     assert bench.oracle_share(7.0, 14.0) == "50 %" and bench.oracle_share(18.1, 14.0) == "129 %"
     assert bench.oracle_share(0.1, -0.6) == bench.oracle_share(0.5, 0.5) == bench.oracle_share(3.0, None) == "-"
+
+
+def test_ranks_are_reported_for_every_mode_that_learns_its_tea_and_probabilities_for_every_learned_tra(bench):
+    """``heuristic+learned-tea`` learns only its TEA: its TEA ranks are reported and judged, no TRA probability."""
+    undone_by = shift_undoing_ops(TARGET_SHIFTS["default"])
+    tra = make_tra_policy("nnunet", num_groups=2)
+    tea = make_tea_policy()
+    names = tea.op_names[0]
+    probs = [1.0] * len(names)
+    probs[names.index("rotate_frontal_cw_90")] = 50.0  # rank 1: the quarter turn's aspect met in every seed
+    tea.set_probabilities([[p / sum(probs) for p in probs]])
+    policies = json.loads(json.dumps(policies_to_dict(tra, tea)))
+    modes = ["heuristic+mirror", "heuristic+learned-tea", "class-specific+joint"]
+    results = {(m, s): {"policies": policies} for m in modes for s in (0, 1)}
+
+    lines, checks = bench.undoing_op_report(modes, results, [0, 1], undone_by, 8, tra_gain=14.0, oracle_gain=14.0)
+
+    assert bench.MODES["heuristic+learned-tea"] == {"tra_mode": "heuristic", "tea_mode": "joint"}
+    assert not any(line.startswith("- heuristic+mirror") for line in lines)  # learns nothing: nothing reported
+    learned_tea = [line for line in lines if line.startswith("- heuristic+learned-tea")]
+    assert learned_tea and all(": TEA " in line for line in learned_tea)  # its TEA ranks, no TRA probability
+    assert len(learned_tea) == len(undone_by["tea"])
+    assert "- heuristic+learned-tea: TEA rotate_frontal_acw_90 / rotate_frontal_cw_90: rank 1, 1" in lines
+    joint = [line for line in lines if line.startswith("- class-specific+joint")]
+    assert len(joint) == len(undone_by["tra"]) + len(undone_by["tea"])
+    by_text = {text: met for text, met, _ in checks}
+    assert by_text["heuristic+learned-tea: TEA rotate_frontal_acw_90 (or equivalent) in the top 8 (median seed)"]
+    # the nnU-Net preset's rot90 (0.025) misses the TRA target; its mirror (0.5) meets it
+    assert not by_text["class-specific+joint: TRA rotate_frontal/rot90 >= 0.3 in every group (mean over seeds)"]
+    assert by_text["class-specific+joint: TRA mirror_sagittal/flip >= 0.3 in every group (mean over seeds)"]
