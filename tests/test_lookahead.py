@@ -11,6 +11,7 @@ from torch.func import functional_call
 
 from helpers import lesion_batch, tiny_unet
 from jcsaug.engine import TRAPolicyUpdater
+from jcsaug.engine.hypergradient import flat_norm
 from jcsaug.engine.lookahead import NeumannLookAhead, hessian_vector_products
 from jcsaug.policy import make_tra_policy
 
@@ -157,3 +158,113 @@ def test_a_non_finite_product_skips_the_update_and_restarts_the_series():
         updater._look_ahead(v, batch["image"], batch["label"])
     assert updater.lookahead.u is None and updater.lookahead.w is None  # the next update starts afresh
     assert flat(updater._look_ahead(v, batch["image"], batch["label"])).equal(flat(v))
+
+
+class WithUnusedBranch(nn.Module):
+    """A trainable layer the loss never reaches (a deep-supervision head left off, a frozen-out branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        self.unused = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@method
+@pytest.mark.parametrize("exact", [False, True])
+def test_products_are_zero_for_parameters_the_loss_never_reaches(exact):
+    torch.manual_seed(0)
+    model = WithUnusedBranch().double()
+    x, y = torch.randn(5, 3, dtype=torch.double), torch.randn(5, 2, dtype=torch.double)
+    vectors = [{n: torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(2)]
+    products = hessian_vector_products(model, x, y, squared_error, vectors, exact=exact)
+    body = [{n[len("body."):]: t for n, t in vec.items() if n.startswith("body.")} for vec in vectors]
+    reference = hessian_vector_products(model.body, x, y, squared_error, body, exact=True)
+    for hx, ref in zip(products, reference):
+        assert list(hx) == [n for n, _ in model.named_parameters()]
+        for name in ("unused.weight", "unused.bias"):
+            assert torch.equal(hx[name], torch.zeros_like(hx[name]))
+        torch.testing.assert_close(flat({n: t for n, t in hx.items() if n.startswith("body.")}), flat(ref),
+                                   rtol=1e-5, atol=1e-7)  # fmt: skip
+
+
+@method
+def test_a_zero_vector_gives_a_zero_product_and_the_next_vectors_are_still_computed():
+    model, x, y, hessian = quadratic_task()
+    vectors = [{"weight": torch.zeros(1, 4, dtype=torch.double)}, {"weight": torch.ones(1, 4, dtype=torch.double)}]
+    products = hessian_vector_products(model, x, y, squared_error, vectors)
+    assert len(products) == 2 and torch.equal(products[0]["weight"], torch.zeros(1, 4, dtype=torch.double))
+    torch.testing.assert_close(products[1]["weight"].reshape(-1), hessian @ torch.ones(4, dtype=torch.double))
+
+
+@method
+def test_by_default_finite_differences_with_the_documented_step(monkeypatch):
+    """The default is the finite-difference product (no double backward) with ``r = sqrt(eps) (1 + ||theta||)``."""
+    import jcsaug.engine.lookahead as lookahead_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))  # float32: the step matters
+    x, y = torch.randn(5, 3), torch.randn(5, 2)
+    vectors = [{n: torch.randn_like(p) for n, p in model.named_parameters()}]
+    theta = {n: p.detach() for n, p in model.named_parameters()}
+    r = torch.finfo(torch.float32).eps ** 0.5 * (1.0 + float(flat_norm(theta)))
+    explicit = hessian_vector_products(model, x, y, squared_error, vectors, r=r)
+
+    def no_double_backward(*args, **kwargs):
+        raise AssertionError("the default differentiated twice")
+
+    monkeypatch.setattr(lookahead_module, "_exact_products", no_double_backward)
+    default = hessian_vector_products(model, x, y, squared_error, vectors)
+    torch.testing.assert_close(default, explicit, rtol=0, atol=0)
+    assert NeumannLookAhead(horizon=4).step == 0.5  # the documented default Neumann step
+
+
+@method
+def test_the_series_is_the_same_for_a_loss_scaled_down_below_unit_curvature():
+    """Scale-free below 1 too: a loss x 1e-3 (curvature and ``v`` far under 1) gives 1e-3 x the same series."""
+    model, x, y, _ = quadratic_task()
+    vs = [{"weight": torch.randn(1, 4, dtype=torch.double)} for _ in range(5)]
+    plain, small = NeumannLookAhead(horizon=4), NeumannLookAhead(horizon=4)
+
+    def small_loss(out, target):
+        return 1e-3 * squared_error(out, target)
+
+    for v in vs:
+        u = plain(model, v, x, y, squared_error)
+        u_small = small(model, {"weight": v["weight"] * 1e-3}, x, y, small_loss)
+        torch.testing.assert_close(u_small["weight"], u["weight"] * 1e-3)
+    assert small.curvature < 1 and small.curvature == pytest.approx(plain.curvature * 1e-3, rel=1e-6)
+
+
+@method
+def test_the_state_round_trips_with_its_curvature_and_loads_onto_a_device():
+    model, x, y, _ = quadratic_task()
+    lookahead = NeumannLookAhead(horizon=4)
+    for _ in range(3):
+        lookahead(model, {"weight": torch.randn(1, 4, dtype=torch.double)}, x, y, squared_error)
+    state = lookahead.state_dict()
+    assert {t.device.type for key in ("u", "w") for t in state[key].values()} == {"cpu"}
+    restored = NeumannLookAhead(horizon=4)
+    restored.load_state_dict(state)
+    assert restored.curvature == lookahead.curvature > 0
+    on_meta = NeumannLookAhead(horizon=4)
+    on_meta.load_state_dict(state, device="meta")  # the device the run trains on
+    assert {t.device.type for vec in (on_meta.u, on_meta.w) for t in vec.values()} == {"meta"}
+    empty = NeumannLookAhead(horizon=4)
+    empty.load_state_dict({})
+    assert empty.u is None and empty.w is None and empty.curvature != empty.curvature  # nan: nothing to resume
+
+
+@method
+def test_a_zero_first_direction_does_not_stall_the_power_iteration():
+    """A first ``v`` of zeros (nothing to learn yet) is returned as it is; the curvature is still found after it."""
+    model, x, y, hessian = quadratic_task()
+    lookahead = NeumannLookAhead(horizon=8)
+    zero = {"weight": torch.zeros(1, 4, dtype=torch.double)}
+    u = lookahead(model, zero, x, y, squared_error)
+    assert torch.equal(u["weight"], zero["weight"])
+    for _ in range(100):
+        lookahead(model, {"weight": torch.ones(1, 4, dtype=torch.double)}, x, y, squared_error)
+    assert lookahead.curvature == pytest.approx(float(torch.linalg.eigvalsh(hessian).max()), rel=1e-6)

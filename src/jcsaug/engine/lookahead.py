@@ -144,6 +144,8 @@ class NeumannLookAhead:
             return v
         if self.u is None or self.u.keys() != v.keys():
             self.u, self.w = None, _unit(v)
+        elif not float(flat_norm(self.w)) > 0:  # started from a zero v: nothing for the power iteration to iterate
+            self.w = _unit(v)
         vectors = [self.w] + ([self.u] if self.u is not None else [])
         products = hessian_vector_products(model, image, label, loss_fn, vectors)
         hw = products[0]
