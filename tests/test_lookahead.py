@@ -13,7 +13,7 @@ from helpers import lesion_batch, tiny_unet
 from jcsaug.engine import TRAPolicyUpdater
 from jcsaug.engine.hypergradient import flat_norm
 from jcsaug.engine.lookahead import NeumannLookAhead, hessian_vector_products
-from jcsaug.policy import make_tra_policy
+from jcsaug.policy import CategoricalPolicy, make_tra_policy
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 method = pytest.mark.method
@@ -140,6 +140,9 @@ def test_the_updater_scores_ops_along_the_look_ahead_direction_and_checkpoints_i
     restored = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, val, opt, lookahead=8)
     restored.load_state_dict(updater.state_dict())
     torch.testing.assert_close(flat(restored.lookahead.u), flat(updater.lookahead.u), rtol=0, atol=0)
+    one_step = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, val, opt)  # lookahead 1: no series to restore
+    one_step.load_state_dict(updater.state_dict())  # a look-ahead run's checkpoint continued one-step: series dropped
+    assert one_step.lookahead is None
 
 
 @method
@@ -268,3 +271,57 @@ def test_a_zero_first_direction_does_not_stall_the_power_iteration():
     for _ in range(100):
         lookahead(model, {"weight": torch.ones(1, 4, dtype=torch.double)}, x, y, squared_error)
     assert lookahead.curvature == pytest.approx(float(torch.linalg.eigvalsh(hessian).max()), rel=1e-6)
+
+
+@method
+def test_an_update_scores_along_the_look_ahead_of_its_validation_gradient_on_the_training_batch(monkeypatch):
+    """``update()`` with ``lookahead`` > 1: the validation gradient goes through the series with the training batch
+    (the samples, not their paired copies), and the hypergradient scores along the series' direction."""
+    from ignite.engine import Engine
+
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 2, 1)
+    x = torch.randn(2, 1, 4, 4, 4)
+    y = (x > 0).float()
+
+    def make_updater():
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        return TRAPolicyUpdater(CategoricalPolicy([3, 2], num_groups=2), net, [{"image": x, "label": y}], opt,
+                                estimator="paired", lookahead=8)  # fmt: skip
+
+    updater, reference = make_updater(), make_updater()
+    series, seen = reference.lookahead, []
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, model, v, image, label, loss_fn):
+            u = self.inner(model, v, image, label, loss_fn)
+            seen.append({"v": v, "image": image, "label": label, "u": u})
+            return u
+
+        def load_state_dict(self, state, device="cpu"):
+            self.inner.load_state_dict(state, device)
+
+    updater.lookahead = Recording(updater.lookahead)
+    scored = []
+    monkeypatch.setattr(updater, "hypergradient", lambda model, theta, v, *a, **k: scored.append(v) or torch.ones(6))
+    monkeypatch.setattr(updater, "_paired_step", lambda *args: None)
+    engine = Engine(lambda e, b: None)
+    engine.state.batch = {
+        "image": x, "label": y, "tra_ops": torch.tensor([[1, 0], [2, 1]]), "class_group": torch.tensor([0, 1]),
+        "tra_cf_ops": torch.tensor([[[0, 0], [1, 1]], [[0, 0], [1, 0]]]),
+        "image_cf": x[:, None].expand(2, 2, 1, 4, 4, 4), "label_cf": y[:, None].expand(2, 2, 1, 4, 4, 4),
+    }  # fmt: skip
+    for _ in range(2):
+        updater._theta, updater._alpha = {n: p.detach().clone() for n, p in net.named_parameters()}, 0.05
+        updater.update(engine)
+    assert len(seen) == len(scored) == 2
+    for call, v_scored in zip(seen, scored):
+        assert call["image"].shape[0] == 2 and torch.equal(call["image"], x) and torch.equal(call["label"], y)
+        assert v_scored is call["u"]  # scored along the look-ahead direction
+        expected_u = series(net, reference._validation_gradient(), x, y, reference.train_loss)
+        torch.testing.assert_close(flat(call["u"]), flat(expected_u), rtol=0, atol=0)
+    assert not torch.allclose(flat(seen[1]["u"]), flat(seen[1]["v"]))  # the second update is not the one-step one
+
