@@ -109,6 +109,16 @@ def test_horizon_one_is_the_one_step_estimate_and_bad_settings_are_refused():
         TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt, lookahead=0)
 
 
+
+@method
+def test_the_updater_builds_its_series_from_its_horizon_and_step():
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    two = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt, lookahead=2).lookahead
+    assert two is not None and (two.horizon, two.step, two.rho) == (2.0, 0.5, 0.5)  # any horizon above 1; step 0.5
+    custom = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt, lookahead=1.5, lookahead_step=0.25).lookahead
+    assert custom.step == 0.25 and custom.rho == pytest.approx(1 / 3)
+
 @method
 def test_the_series_state_resumes_exactly():
     model, x, y, _ = quadratic_task()

@@ -429,7 +429,8 @@ def _rank_updates(rank: int, dtype: torch.dtype = F64) -> dict:
     """Two policy updates on this rank of a two-rank run: the gradient applied after each, and the logits."""
     policy = CategoricalPolicy([3, 2]).to(dtype)
     plan = RANK_PLANS[rank]
-    updater = _GivenGradient(policy, lambda t: plan[t], lr=0.1, poly_power=0.0)
+    # a decaying lr: the rank that skips steps with the same lr as the others, read from its own engine
+    updater = _GivenGradient(policy, lambda t: plan[t], lr=0.1, poly_power=0.9)
     engine = Engine(lambda e, b: None)
     updater.attach(engine)
     applied = []
