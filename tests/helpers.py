@@ -69,6 +69,16 @@ def lesion_batch(n: int = 4, size: int = 16, seed: int = 0, tra_policy=None) -> 
     return batch
 
 
+def paired_batch(image: torch.Tensor, label: torch.Tensor) -> dict:
+    """A two-sample training batch as ``TRACascaded(counterfactuals=2)`` makes it for a ``[3, 2]`` policy: the drawn
+    ops, class groups, each sample's two counterfactual ops and copies (here the samples themselves)."""
+    return {
+        "image": image, "label": label, "tra_ops": torch.tensor([[1, 0], [2, 1]]), "class_group": torch.tensor([0, 1]),
+        "tra_cf_ops": torch.tensor([[[0, 0], [1, 1]], [[0, 0], [1, 0]]]),
+        "image_cf": image[:, None].expand(2, 2, *image.shape[1:]),
+        "label_cf": label[:, None].expand(2, 2, *label.shape[1:]),
+    }  # fmt: skip
+
 def train_engine(net: torch.nn.Module, opt: torch.optim.Optimizer, loss: str = "ce+dice", train: bool = True) -> Engine:
     """A plain Ignite engine running a user's own supervised step (or no step with ``train=False``)."""
     loss_fn = get_loss(loss)

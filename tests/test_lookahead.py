@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from helpers import lesion_batch, tiny_unet
+from helpers import lesion_batch, paired_batch, tiny_unet
 from jcsaug.engine import TRAPolicyUpdater
 from jcsaug.engine.hypergradient import flat_norm
 from jcsaug.engine.lookahead import NeumannLookAhead, hessian_vector_products
@@ -319,11 +319,7 @@ def test_an_update_scores_along_the_look_ahead_of_its_validation_gradient_on_the
     monkeypatch.setattr(updater, "hypergradient", lambda model, theta, v, *a, **k: scored.append(v) or torch.ones(6))
     monkeypatch.setattr(updater, "_paired_step", lambda *args: None)
     engine = Engine(lambda e, b: None)
-    engine.state.batch = {
-        "image": x, "label": y, "tra_ops": torch.tensor([[1, 0], [2, 1]]), "class_group": torch.tensor([0, 1]),
-        "tra_cf_ops": torch.tensor([[[0, 0], [1, 1]], [[0, 0], [1, 0]]]),
-        "image_cf": x[:, None].expand(2, 2, 1, 4, 4, 4), "label_cf": y[:, None].expand(2, 2, 1, 4, 4, 4),
-    }  # fmt: skip
+    engine.state.batch = paired_batch(x, y)
     for _ in range(2):
         updater._theta, updater._alpha = {n: p.detach().clone() for n, p in net.named_parameters()}, 0.05
         updater.update(engine)

@@ -13,7 +13,7 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-from helpers import lesion_batch, tiny_unet, train_engine
+from helpers import lesion_batch, paired_batch, tiny_unet, train_engine
 from jcsaug.engine import (
     TEAPolicyUpdater,
     TRAPolicyUpdater,
@@ -674,11 +674,7 @@ def test_paired_scores_are_the_hypergradient_made_scale_free(monkeypatch):
     monkeypatch.setattr(updater, "_paired_step", lambda engine, s, cf, *rest: seen.update(s=s, cf=cf))
     updater._theta, updater._alpha = {n: p.detach().clone() for n, p in net.named_parameters()}, 0.05
     engine = Engine(lambda e, b: None)
-    engine.state.batch = {
-        "image": x, "label": y, "tra_ops": torch.tensor([[1, 0], [2, 1]]), "class_group": torch.tensor([0, 1]),
-        "tra_cf_ops": torch.tensor([[[0, 0], [1, 1]], [[0, 0], [1, 0]]]),
-        "image_cf": x[:, None].expand(2, 2, 1, 4, 4, 4), "label_cf": y[:, None].expand(2, 2, 1, 4, 4, 4),
-    }  # fmt: skip
+    engine.state.batch = paired_batch(x, y)
     updater.update(engine)
     assert seen["n"] == 6 and seen["v_norm"] == pytest.approx(norm, rel=1e-6)
     expected = g * 6 / (0.05 * norm)
