@@ -301,11 +301,12 @@ def undoing_op_report(
     per mode that learns a TRA, each undoing TRA op's final probability per class group and seed; per mode that
     learns its TEA during training (``tea_mode joint``, with a learned or a heuristic TRA), the rank of the best
     TEA op of each aspect of the shift per seed."""
+    from jcsaug.engine.modes import get_tea_mode, get_tra_mode  # what each bundle mode learns, from its registry
+
     lines: list[str] = []
     checks: list[tuple[str, bool, float | None]] = []
     for mode in modes:
-        learns_tra = MODES[mode]["tra_mode"] in ("learned", "class-specific")
-        for entry in undone_by["tra"] if learns_tra else []:
+        for entry in undone_by["tra"] if get_tra_mode(MODES[mode]["tra_mode"]).learned else []:
             probs = [tra_probability(results[(mode, s)]["policies"], entry["series"], entry["op"]) for s in seeds]
             text = "; ".join(", ".join(f"{p:.2f}" for p in groups) for groups in probs)
             lines.append(f"- {mode}: TRA `{entry['series']}/{entry['op']}`: {text}")
@@ -315,7 +316,7 @@ def undoing_op_report(
             met = min(statistics.mean(p[g] for p in probs) for g in range(len(probs[0]))) >= 0.3
             checks.append((f"{mode}: TRA {entry['series']}/{entry['op']} >= 0.3 in every group (mean over seeds)",
                            met, tra_gain))  # fmt: skip
-        if MODES[mode]["tea_mode"] == "joint":
+        if get_tea_mode(MODES[mode]["tea_mode"]).joint:
             for aspect in undone_by["tea"]:
                 ranks = [min(tea_ranks(results[(mode, s)]["policies"])[name] for name in aspect) for s in seeds]
                 lines.append(f"- {mode}: TEA {' / '.join(aspect)}: rank {', '.join(map(str, ranks))}")
