@@ -79,6 +79,7 @@ def paired_batch(image: torch.Tensor, label: torch.Tensor) -> dict:
         "label_cf": label[:, None].expand(2, 2, *label.shape[1:]),
     }  # fmt: skip
 
+
 def train_engine(net: torch.nn.Module, opt: torch.optim.Optimizer, loss: str = "ce+dice", train: bool = True) -> Engine:
     """A plain Ignite engine running a user's own supervised step (or no step with ``train=False``)."""
     loss_fn = get_loss(loss)

@@ -109,7 +109,6 @@ def test_horizon_one_is_the_one_step_estimate_and_bad_settings_are_refused():
         TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt, lookahead=0)
 
 
-
 @method
 def test_the_updater_builds_its_series_from_its_horizon_and_step():
     net = tiny_unet()
@@ -118,6 +117,7 @@ def test_the_updater_builds_its_series_from_its_horizon_and_step():
     assert two is not None and (two.horizon, two.step, two.rho) == (2.0, 0.5, 0.5)  # any horizon above 1; step 0.5
     custom = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, [], opt, lookahead=1.5, lookahead_step=0.25).lookahead
     assert custom.step == 0.25 and custom.rho == pytest.approx(1 / 3)
+
 
 @method
 def test_the_series_state_resumes_exactly():
@@ -330,4 +330,3 @@ def test_an_update_scores_along_the_look_ahead_of_its_validation_gradient_on_the
         expected_u = series(net, reference._validation_gradient(), x, y, reference.train_loss)
         torch.testing.assert_close(flat(call["u"]), flat(expected_u), rtol=0, atol=0)
     assert not torch.allclose(flat(seen[1]["u"]), flat(seen[1]["v"]))  # the second update is not the one-step one
-
