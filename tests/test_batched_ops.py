@@ -4,6 +4,7 @@ against the per-sample one, identity exactness, one grid_sample per key, the TEA
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -200,6 +201,12 @@ def test_batch_transform_errors_are_clear() -> None:
         BatchTRACascaded("image", policy, label_keys="label")(batch)
     with pytest.raises(ValueError, match="15 TRA series"):
         BatchTRACascaded("image", make_tra_policy("nnunet").__class__([3]))
+    with pytest.raises(ValueError, match="padding_mode must be one of"):
+        BatchTRACascaded("image", policy, padding_mode="reflection")
+    other = {"other": torch.ones(2), "class_group": torch.tensor([1, 0])}
+    with pytest.raises(KeyError, match="image"):
+        BatchTRACascaded("image", policy, label_keys="label")(other)
+    assert BatchTRACascaded("image", policy, label_keys="label", allow_missing_keys=True)(other) == other
 
 
 def test_device_augmentation_feeds_the_trainer_and_the_tra_update() -> None:
@@ -279,6 +286,9 @@ def test_tea_grids_are_built_once_per_op_and_shape(monkeypatch) -> None:
     assert len(built) == 2  # two distinct affine ops, one shape: built on the first call only
     apply_tea_ops(ops, x, "invert")
     assert len(built) == 4  # the inverse grids are cached separately
+    # a custom op reusing a catalogue id gets its own grid, not the catalogue op's
+    twenty = dataclasses.replace(TEA_OPS[11], name="rotate_frontal_acw_20", magnitude=20.0)
+    assert not torch.equal(apply_tea_ops([twenty], x[:1], "image")[0], apply_tea_ops([TEA_OPS[11]], x[:1], "image")[0])
 
 
 def test_tea_inference_update_and_joint_validation_use_the_batched_ops(monkeypatch) -> None:

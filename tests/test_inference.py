@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
 from monai.inferers import SlidingWindowInferer
 
-from jcsaug.inference import MirrorTTAInferer, NoTTAInferer, TEAInferer, load_tea_policy
+from jcsaug.engine import AugmentationSetup
+from jcsaug.inference import MirrorTTAInferer, NoTTAInferer, TEAInferer, load_tea_policy, make_tta_inferer
 from jcsaug.policy import make_tea_policy, make_tra_policy
 from jcsaug.policy.io import save_policies
+from jcsaug.policy.presets import TEA_FLIP_IDS
 
 
 def _net(x):
@@ -37,7 +41,19 @@ def test_mirror_tta_of_flip_equivariant_model_equals_plain():
     x = torch.rand(1, 1, 8, 9, 10)
     out = MirrorTTAInferer()(x, _symmetric_net)
     torch.testing.assert_close(out.softmax(1), _symmetric_net(x).softmax(1), atol=1e-5, rtol=1e-5)
-    assert len(MirrorTTAInferer().ops) == 8
+    assert [op.id for op in MirrorTTAInferer().ops] == list(TEA_FLIP_IDS)
+
+
+def test_mirror_tta_averages_the_probabilities_of_the_eight_mirrorings():
+    """Against a hand-computed nnU-Net mirroring, on a model that is not flip-equivariant (the eight flips of the
+    three axes, each prediction flipped back, probabilities averaged with equal weights)."""
+    x = torch.rand(1, 1, 8, 9, 10)
+    flips = [dims for n in range(4) for dims in itertools.combinations((2, 3, 4), n)]
+    probs = [torch.flip(_net(torch.flip(x, dims)), dims).softmax(1) if dims else _net(x).softmax(1) for dims in flips]
+    expected = torch.log(torch.stack(probs).mean(0))
+    out = MirrorTTAInferer()(x, _net)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out.softmax(1), _net(x).softmax(1), atol=1e-3)  # the mirrorings do change it
 
 
 def test_top_z_weights_are_softmax_of_chosen_logits_and_wrap_sliding_window():
@@ -76,6 +92,26 @@ def test_loading_policies_and_errors(tmp_path):
         load_tea_policy(tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="not a TEA policy"):
         TEAInferer.from_policy(make_tra_policy(), z=4)
+
+
+@pytest.mark.parametrize("tea_mode", ["none", "heuristic", "learned-posthoc"])
+def test_checkpoints_of_runs_without_a_tested_tea_policy_offer_none(tmp_path, tea_mode):
+    """While training, these modes hold only the untrained TEA preset: a checkpoint must not pass it off as a TEA
+    policy to test with (``learned-posthoc`` learns its policy after training, into ``policies.json``)."""
+    items = AugmentationSetup("heuristic", tea_mode).updaters(None, None, None).checkpoint_items()
+    torch.save({k: v.state_dict() for k, v in items.items()}, tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="holds no TEA policy"):
+        load_tea_policy(tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="holds none"):
+        make_tta_inferer("learned", tea_policy=tmp_path / "c.pt")
+
+
+def test_checkpoints_of_a_fixed_tea_policy_hold_it(tmp_path):
+    tea = make_tea_policy("uniform")
+    path = save_policies(tmp_path / "policies.json", tea=tea)
+    items = AugmentationSetup("heuristic", "fixed", tea_policy_file=path).updaters(None, None, None).checkpoint_items()
+    torch.save({k: v.state_dict() for k, v in items.items()}, tmp_path / "c.pt")
+    torch.testing.assert_close(load_tea_policy(tmp_path / "c.pt").logits, tea.logits)
     with pytest.raises(ValueError, match="z must be in"):
         TEAInferer.from_policy(make_tea_policy(), z=0)
 

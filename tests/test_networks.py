@@ -78,8 +78,9 @@ def test_deepmedic_variants_shapes():
         DeepMedic(1, 2, subsample_factors=(2,))
 
 
-def test_context_pathways_widen_the_field_of_view():
-    net = tiny_deepmedic(segment_size=25)  # output 9³, input 97³: normal 25³, ×3 crop 57³, ×5 crop 95³
+@pytest.mark.parametrize("mode", ["strided", "avg"])
+def test_context_pathways_widen_the_field_of_view(mode):
+    net = tiny_deepmedic(segment_size=25, subsample_mode=mode)  # output 9³, input 97³: normal 25³, ×3 57³, ×5 95³
     assert net.input_size == (97,) * 3
     x = torch.randn(1, 1, 97, 97, 97)
     with torch.no_grad():
@@ -92,8 +93,11 @@ def test_context_pathways_widen_the_field_of_view():
 
         c = 48
         assert changed((c, c, c)) > 1e-4  # centre: every pathway
-        assert changed((c - 13, c, c)) > 1e-4  # just outside the normal 25³ crop, inside the ×3 context
-        assert changed((c, c + 45, c)) > 1e-4  # only inside the ×5 context (95³ crop = voxels 1..95)
+        # just outside the normal 25³ crop (voxels 36..60), inside the ×3 context; strided: on the ×3 grid c ± 3k
+        assert changed((c - 13 if mode == "avg" else c - 15, c, c)) > 1e-4
+        assert changed((c, c + 45, c)) > 1e-4  # only inside the ×5 context (95³ crop = voxels 1..95), on its grid
+        # strided: every f-th voxel, no smoothing (the reference sampler): a voxel between the ×5 grid's is not read
+        assert (changed((c, c + 44, c)) == 0.0) == (mode == "strided")
         assert changed((0, c, c)) == 0.0  # outside every pathway's field of view
         assert changed((c, c, 96)) == 0.0
     assert tiny_deepmedic(segment_size=25, subsample_factors=()).input_size == (25,) * 3
@@ -108,7 +112,7 @@ def test_gradients_reach_every_pathway():
     first_convs = [net.normal.blocks[0].conv, *(p.blocks[0].conv for p in net.context), net.fc[0].conv]
     for conv in first_convs:
         assert conv.weight.grad is not None and conv.weight.grad.abs().sum() > 0
-    assert x.grad is not None and x.grad[0, 0, 2, 50, 50].abs() > 0  # a ×5-only voxel gets gradient
+    assert x.grad is not None and x.grad[0, 0, 2, 47, 47].abs() > 0  # a ×5-only voxel (on the ×5 grid) gets gradient
 
 
 def test_crop_label_to_output_and_residual():

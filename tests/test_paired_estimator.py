@@ -3,6 +3,7 @@ estimate, a known-answer task, and the fixed-policy reuse of a learned ``policie
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -15,7 +16,7 @@ from helpers import lesion_batch, tiny_unet, train_engine
 from jcsaug.engine import AugmentationSetup, TRAPolicyUpdater
 from jcsaug.engine.losses import batch_dice_loss
 from jcsaug.engine.paired import OpEffects
-from jcsaug.ops.tra import TRA_SERIES, apply_tra, replace_series_op, sample_tra_params
+from jcsaug.ops.tra import INTENSITY_FIELDS, TRA_SERIES, TRAParams, apply_tra, replace_series_op, sample_tra_params
 from jcsaug.policy import CategoricalPolicy, ClassGroupd, TRACascaded, make_tra_policy
 from jcsaug.policy.io import save_policies
 
@@ -26,20 +27,59 @@ ROT90_FRONTAL = (1, 4)  # (series, op): rotate_frontal / rot90, the quarter turn
 
 
 # ------------------------------------------------------------------------------------------- counterfactual copies
+def _series_fields(params, series: int) -> dict:
+    """The parts of ``params`` that series ``series``'s ops set (e.g. one rotation angle, or its quarter turns)."""
+    fields = {}
+    for op in TRA_SERIES[series].ops:
+        if op.kind == "rotate":
+            fields["angle"] = params.angles[op.axis]
+        elif op.kind == "rot90":
+            fields["rot90"] = [(a, k) for a, k in params.rot90 if a == op.axis]
+        elif op.kind == "flip":
+            fields["flip"] = [a for a in params.flip_axes if a == op.axis]
+        elif op.kind == "noise":
+            fields["noise"] = (params.noise_std, params.noise_seed if params.noise_std else 0)  # seed unused at 0
+        else:
+            fields[op.kind] = getattr(params, INTENSITY_FIELDS.get(op.kind, op.kind))
+    return fields
+
+
 def test_replace_series_op_changes_that_series_only():
     rng = np.random.RandomState(0)
-    choices = np.array([3, 2, 0, 1, 1, 0, 0, 2, 0, 1, 0, 3, 4, 2, 1])
+    # two rotation series with a quarter turn each (frontal, longitudinal) and a sagittal flip
+    choices = np.array([3, 4, 0, 4, 1, 0, 0, 2, 0, 1, 0, 3, 4, 2, 1])
     params = sample_tra_params(choices, rng)
+    original = copy.deepcopy(params)
     image = torch.randn(1, 12, 12, 12)
     for series in range(len(TRA_SERIES)):
-        same = replace_series_op(params, series, int(choices[series]) and 0, rng)  # identity in that series
+        for op in range(TRA_SERIES[series].size):
+            replaced = replace_series_op(params, series, op, rng)
+            for other in range(len(TRA_SERIES)):  # every other series keeps its exact draw
+                if other != series:
+                    assert _series_fields(replaced, other) == _series_fields(params, other), (series, op, other)
+            if op == 0:
+                identity = replace_series_op(TRAParams(), series, 0, rng)
+                assert _series_fields(replaced, series) == _series_fields(identity, series), (series, op)
         if choices[series] == 0:  # already the identity: the copy is the sample, bit for bit
+            same = replace_series_op(params, series, 0, rng)
             assert torch.equal(apply_tra({"x": image}, {}, same)[0]["x"], apply_tra({"x": image}, {}, params)[0]["x"])
-    no_rot = replace_series_op(params, 1, 0, rng)
-    assert no_rot.angles[1] == 0.0 and no_rot.angles[0] == params.angles[0] and no_rot.scale == params.scale
+    assert params == original  # the original is untouched (a copy)
     rot90 = replace_series_op(params, *ROT90_FRONTAL, rng)
-    assert [a for a, _ in rot90.rot90].count(1) == 1 and rot90.gamma == params.gamma and rot90.shift == params.shift
-    assert params.rot90 == [(axis, k) for axis, k in params.rot90]  # the original is untouched (a copy)
+    assert [a for a, _ in rot90.rot90].count(TRA_SERIES[1].ops[3].axis) == 1
+
+
+def test_counterfactual_quarter_turns_keep_the_cascade_order():
+    """Quarter turns about different axes do not commute: a copy that adds the frontal turn to a sample with a
+    sagittal one must turn in the order the cascade would have drawn them (frontal series first)."""
+    rng = np.random.RandomState(0)
+    choices = np.zeros(len(TRA_SERIES), dtype=np.int64)
+    choices[2] = 4  # rotate_sagittal / rot90
+    params = sample_tra_params(choices, rng)
+    copy = replace_series_op(params, *ROT90_FRONTAL, rng)
+    both = choices.copy()
+    both[ROT90_FRONTAL[0]] = ROT90_FRONTAL[1]
+    drawn_together = sample_tra_params(both, np.random.RandomState(1))
+    assert [axis for axis, _ in copy.rot90] == [axis for axis, _ in drawn_together.rot90]
 
 
 def test_cascade_counterfactual_copies():
@@ -50,12 +90,19 @@ def test_cascade_counterfactual_copies():
     out = cascade(sample)
     assert out["image_cf"].shape == (6, 1, 12, 12, 12) and out["label_cf"].shape == (6, 1, 12, 12, 12)
     assert out["label_cf"].dtype == torch.uint8 and out["tra_cf_ops"].shape == (6, 2)
-    for (series, op), copy in zip(out["tra_cf_ops"].tolist(), out["image_cf"]):
+    for series, op in out["tra_cf_ops"].tolist():
         drawn = int(out["tra_ops"][series])
         assert (op == 0) == (drawn != 0)  # a drawn op is scored against the identity, else an op is explored
         assert 0 <= op < TRA_SERIES[series].size
-        if op == 0 and drawn == 0:  # pragma: no cover - excluded by the rule above
-            assert torch.equal(copy, out["image"])
+    # each copy is the sample's own draw with that one series replaced: replay the cascade's random stream
+    replay = TRACascaded("image", policy, label_keys="label", counterfactuals=6).set_random_state(3)
+    choices, params = replay.randomize(sample)
+    assert np.array_equal(choices, out["tra_ops"].numpy())
+    counterfactuals = replay.randomize_counterfactuals(choices, params)
+    assert [[s, j] for s, j, _ in counterfactuals] == out["tra_cf_ops"].tolist()
+    for (_, _, copy_params), image_cf in zip(counterfactuals, out["image_cf"]):
+        image = apply_tra({"image": sample["image"]}, {"label": sample["label"]}, copy_params)[0]["image"]
+        assert torch.equal(image_cf, image)
     plain = TRACascaded("image", policy, label_keys="label").set_random_state(3)(sample)
     assert "image_cf" not in plain and "tra_cf_ops" not in plain  # off: nothing added
     assert torch.equal(plain["image"], out["image"])  # and the sample itself is the same draw

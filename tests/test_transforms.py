@@ -129,3 +129,9 @@ def test_cascade_errors_name_the_problem():
     flat = {"image": torch.rand(1, 8, 8), "label": torch.zeros(1, 8, 8), "class_group": 0}
     with pytest.raises(ValueError, match=r"key 'image' has shape \(1, 8, 8\)"):
         cascade(flat)
+    no_label = {"image": torch.rand(1, 8, 8, 8), "class_group": 0}
+    with pytest.raises(KeyError, match=r"label key\(s\) \['label'\] not in data"):
+        cascade(no_label)
+    # refused when built, not at the first sample that happens to draw an affine op
+    with pytest.raises(ValueError, match="padding_mode must be one of .*'reflection'"):
+        TRACascaded("image", make_tra_policy("nnunet"), padding_mode="reflection")

@@ -129,6 +129,8 @@ class PolicyUpdaters(list):
 
     Built in one step by :meth:`AugmentationSetup.updaters`, so :meth:`checkpoint_items` is right whatever order
     the handlers are attached or resolved in.
+    ``tea_tested``: without a TEA updater, whether the TEA policy is tested with as it is (read from a file), so
+    checkpoints hold it.
     """
 
     def __init__(
@@ -137,10 +139,12 @@ class PolicyUpdaters(list):
         tea_policy: CategoricalPolicy,
         tra: TRAPolicyUpdater | None = None,
         tea: TEAPolicyUpdater | None = None,
+        tea_tested: bool = True,
     ) -> None:
         super().__init__(u for u in (tra, tea) if u is not None)
         self.tra, self.tea = tra, tea
         self.tra_policy, self.tea_policy = tra_policy, tea_policy
+        self.tea_tested = tea_tested
 
     def attach(self, engine: Engine) -> None:
         for updater in self:
@@ -148,11 +152,14 @@ class PolicyUpdaters(list):
 
     def checkpoint_items(self) -> dict:
         """What a ``CheckpointSaver``/``ResumeCheckpoint`` must hold: each updater (its policy, optimiser and random
-        stream), or the policy itself where nothing learns it."""
-        return {
-            "tra_updater" if self.tra else "tra_policy": self.tra or self.tra_policy,
-            "tea_updater" if self.tea else "tea_policy": self.tea or self.tea_policy,
-        }
+        stream), or the policy itself where nothing learns it. A TEA policy the run neither learns during training
+        nor tests with as it is (``none``, ``heuristic``, ``learned-posthoc``: only its untrained preset exists
+        while training) is left out, so that a checkpoint never offers a preset as a TEA policy to test with
+        (:func:`jcsaug.inference.load_tea_policy`)."""
+        items = {"tra_updater" if self.tra else "tra_policy": self.tra or self.tra_policy}
+        if self.tea or self.tea_tested:
+            items["tea_updater" if self.tea else "tea_policy"] = self.tea or self.tea_policy
+        return items
 
     def counts(self) -> dict[str, dict]:
         """Per updater (``TRA``, ``TEA``): updates done, updates skipped, and how often each skip reason occurred."""
@@ -293,7 +300,7 @@ class AugmentationSetup:
                 update_every=tea_update_every, num_copies=num_copies, seed=seed, estimator=self.tea_estimator,
                 logit_budget=tea_logit_budget, patches=tea_patches, poly_power=tea_poly_power,
             )  # fmt: skip
-        return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea)
+        return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea, tea_tested=self.tea.from_file)
 
     def test_tea_policy(
         self,

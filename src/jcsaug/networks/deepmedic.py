@@ -12,8 +12,9 @@ DeepMedic default config):
 * **Blocks.** Pre-activation: norm → activation → dropout → conv; the first block of each image pathway is a bare
   conv on the raw image. Norm = BatchNorm, activation = per-channel PReLU (MONAI ``get_norm_layer`` /
   ``get_act_layer`` factories), He (fan-in) initialisation.
-* **Context.** Each context pathway reads an average-pooled (``subsample_mode="avg"``; ``"strided"`` takes every
-  f-th voxel like the reference sampler) larger centred crop; its output is upsampled ×f by repetition (nearest)
+* **Context.** Each context pathway reads a larger centred crop subsampled by taking every f-th voxel with no
+  smoothing, like the reference sampler (``subsample_mode="strided"``, the default; ``"avg"`` average-pools f³
+  blocks instead); its output is upsampled ×f by repetition (nearest)
   and centre-cropped to the normal output, then all pathways are concatenated (50·(1+#factors) channels).
 * **"FC" layers.** 250, 250 feature maps, the first with a 3³ kernel and mirror (reflect) padding, then 1³,
   residual at FC layer 2; dropout on the inputs of the FC layers and the classifier = (0, 0.5, 0.5); a final 1³
@@ -220,8 +221,8 @@ class DeepMedic(nn.Module):
         residual_layers: 1-based layers receiving a residual from the input of the previous layer.
         subsample_factors: one context pathway per (odd) factor; ``()`` gives a normal-pathway-only network.
         subsampled_feature_maps: feature maps of the context pathways (default: same as ``feature_maps``).
-        subsample_mode: ``"avg"`` (average pooling f³ blocks) or ``"strided"`` (centre voxel of each block, like the
-            reference sampler, which takes every f-th voxel without smoothing).
+        subsample_mode: ``"strided"`` (centre voxel of each block, like the reference sampler, which takes every
+            f-th voxel without smoothing; ``shared/DATASETS.md`` §7) or ``"avg"`` (average pooling f³ blocks).
         fc_feature_maps: hidden "fully connected" layers after concatenation.
         fc_kernel_sizes: their kernel sizes (>1 is mirror-padded, size-preserving).
         fc_residual_layers: 1-based FC layers receiving a residual (from the input of the previous FC layer).
@@ -242,7 +243,7 @@ class DeepMedic(nn.Module):
         residual_layers: Sequence[int] = DEFAULT_RESIDUAL_LAYERS,
         subsample_factors: Sequence[int] = (3, 5),
         subsampled_feature_maps: Sequence[int] | None = None,
-        subsample_mode: str = "avg",
+        subsample_mode: str = "strided",
         fc_feature_maps: Sequence[int] = (250, 250),
         fc_kernel_sizes: Sequence[int] = (3, 1),
         fc_residual_layers: Sequence[int] = (2,),

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from jcsaug.ops.axes import rotation_plane
 
-_PADDING = ("zeros", "border")
+#: padding modes of the affine resampling (``grid_sample``'s, minus "reflection": the TRA pads labels with 0)
+PADDING_MODES = ("zeros", "border")
 _MODES = ("bilinear", "nearest")
 
 
@@ -131,8 +132,10 @@ def resample(
     ``matrices``); a single CPU volume whose matrix is separable (see the module docstring) takes the factored
     2D + 1D path instead.
     """
-    if mode not in _MODES or padding_mode not in _PADDING:
-        raise ValueError(f"mode must be in {_MODES} and padding_mode in {_PADDING}, got {mode!r}, {padding_mode!r}")
+    if mode not in _MODES or padding_mode not in PADDING_MODES:
+        raise ValueError(
+            f"mode must be in {_MODES} and padding_mode in {PADDING_MODES}, got {mode!r}, {padding_mode!r}"
+        )
     if x.ndim != 5:
         raise ValueError(f"expected a batch of 3D volumes [B, C, X, Y, Z], got shape {tuple(x.shape)}")
     if grid is None and x.device.type == "cpu" and x.shape[0] == 1:

@@ -158,7 +158,9 @@ class TEAOp:
              inverse: bool = False) -> torch.Tensor:  # fmt: skip
         """The ``grid_sample`` grid ``[1, X, Y, Z, 3]`` of an affine op (or of its inverse), built once per op,
         shape, device and dtype and then taken from a cache (see :func:`clear_grid_cache`)."""
-        key = (self.id, inverse, tuple(int(s) for s in spatial_size), torch.device(device), dtype)
+        # keyed on what defines the matrix, not the id alone: a custom catalogue may reuse ids
+        key = (self.kind, self.magnitude, self.sign, self.axis, inverse, tuple(int(s) for s in spatial_size),
+               torch.device(device), dtype)  # fmt: skip
         grid = _GRID_CACHE.get(key)
         if grid is None:
             matrix = self.affine_matrix()
@@ -267,7 +269,8 @@ def tea_catalogue_json() -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- batched application
-#: grids of affine ops, keyed by (op id, inverse, shape, device, dtype); least recently used dropped past the budget
+#: grids of affine ops, keyed by (op kind, magnitude, sign, axis, inverse, shape, device, dtype); least recently
+#: used dropped past the budget
 _GRID_CACHE: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 GRID_CACHE_BYTES = 256 * 2**20
 

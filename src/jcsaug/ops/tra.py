@@ -235,6 +235,10 @@ def replace_series_op(
     op = chosen.op(int(op_index))
     if op is not None:
         PARAM_SAMPLERS.get(op.kind)(out, op, rng)
+    if op is not None and op.kind == "rot90":
+        # quarter turns about different axes do not commute: keep them in series order, as the cascade draws them
+        order = {o.axis: i for i, s in enumerate(series) for o in s.ops if o.kind == "rot90"}
+        out.rot90.sort(key=lambda turn: order.get(turn[0], len(series)))
     return out
 
 

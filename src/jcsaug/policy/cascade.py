@@ -10,6 +10,7 @@ from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.transforms import MapTransform, Randomizable
 
+from jcsaug.ops.resample import PADDING_MODES
 from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, apply_tra_batch, replace_series_op, sample_tra_params
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.transforms import DEFAULT_GROUP_KEY, _group_of
@@ -106,6 +107,10 @@ class TRACascaded(Randomizable, MapTransform):
         self.label_keys = [label_keys] if isinstance(label_keys, str) else list(label_keys)
         self.group_key = group_key
         self.op_key = op_key
+        if padding_mode not in PADDING_MODES:
+            raise ValueError(
+                f"{type(self).__name__}: padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}"
+            )
         self.padding_mode = padding_mode
 
     def randomize(self, data: Mapping) -> tuple[np.ndarray, TRAParams]:
@@ -126,10 +131,11 @@ class TRACascaded(Randomizable, MapTransform):
         d = dict(data)
         choices, params = self.randomize(d)
         images = {k: d[k] for k in self.key_iterator(d)}
-        labels = {k: d[k] for k in self.label_keys if k in d or not self.allow_missing_keys}
-        missing = [k for k in labels if k not in d]
+        label_keys = [k for k in self.label_keys if k in d or not self.allow_missing_keys]
+        missing = [k for k in label_keys if k not in d]
         if missing:
             raise KeyError(f"TRACascaded: label key(s) {missing} not in data (keys: {list(d)})")
+        labels = {k: d[k] for k in label_keys}
         counterfactuals = self.randomize_counterfactuals(choices, params) if self.counterfactuals else []
         out_images, out_labels = apply_tra(images, labels, params, padding_mode=self.padding_mode)
         if counterfactuals:
@@ -222,6 +228,8 @@ class BatchTRACascaded(TRACascaded):
         if missing:
             raise KeyError(f"BatchTRACascaded: label key(s) {missing} not in data (keys: {list(d)})")
         if not image_keys and not labels:
+            if self.allow_missing_keys:
+                return d
             raise KeyError(f"BatchTRACascaded: none of the keys {list(self.keys)} is in the batch (keys: {list(d)})")
         batch = int(d[(image_keys + labels)[0]].shape[0])
         choices, params = self.randomize(self._groups(d, batch))
