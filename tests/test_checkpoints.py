@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ignite.engine import Engine
+from ignite.engine import Engine, Events
 from monai.handlers import CheckpointSaver
 
 from jcsaug.engine import (
@@ -215,6 +215,56 @@ def test_atomic_checkpoint_saver_is_a_drop_in(tmp_path, monkeypatch):
     fresh = _objects(1)
     load_checkpoint(latest_checkpoint(tmp_path), fresh)
     assert torch.equal(fresh["tra_policy"].logits, trained["tra_policy"].logits)
+
+
+def test_failed_save_keeps_the_last_good_checkpoint_until_a_new_one_is_written(tmp_path, monkeypatch):
+    """``n_saved=1``: ignite retires the epoch-1 file *before* writing epoch 2's; the epoch-2 write fails (disk
+    full), and the epoch-1 file must still be there, complete and loadable. Epoch 3's write succeeds: only then
+    do the retired files go (n_saved honoured); the final checkpoint is written beside it."""
+    objects = _objects(0)
+    net, opt = objects["network"], objects["optimizer"]
+
+    def step(engine, batch):
+        opt.zero_grad()
+        net(torch.randn(5, 3)).pow(2).mean().backward()
+        opt.step()
+        with torch.no_grad():
+            objects["tra_policy"].logits.add_(0.1)
+
+    trainer = Engine(step)
+    saver = AtomicCheckpointSaver(save_dir=str(tmp_path), save_dict=objects, save_final=True, epoch_level=True,
+                                  save_interval=1, n_saved=1)  # fmt: skip
+    real_save, failures, files = torch.save, [], {}
+    logits = {}
+
+    def save(obj, f, *args, **kwargs):
+        if trainer.state.epoch == 2:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+    @trainer.on(Events.EPOCH_COMPLETED)
+    def save_and_check(engine):  # the saver's own epoch handler, its failure caught so that training goes on
+        logits[engine.state.epoch] = objects["tra_policy"].logits.detach().clone()
+        try:
+            saver.interval_completed(engine)
+        except OSError:
+            failures.append(engine.state.epoch)
+        files[engine.state.epoch] = sorted(p.name for p in tmp_path.iterdir())
+        if engine.state.epoch == 2:  # the last good checkpoint survived the failed write, complete
+            fresh = _objects(1)
+            load_checkpoint(tmp_path / "checkpoint_epoch=1.pt", fresh)
+            assert torch.equal(fresh["tra_policy"].logits, logits[1])
+
+    trainer.add_event_handler(Events.COMPLETED, saver.completed)
+    trainer.run(range(2), max_epochs=3)
+    assert failures == [2]
+    assert files == {1: ["checkpoint_epoch=1.pt"], 2: ["checkpoint_epoch=1.pt"], 3: ["checkpoint_epoch=3.pt"]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_epoch=3.pt", "checkpoint_final_iteration=6.pt"]
+    fresh = _objects(1)
+    load_checkpoint(tmp_path / "checkpoint_epoch=3.pt", fresh)
+    assert torch.equal(fresh["tra_policy"].logits, logits[3])
 
 
 class _Payload:

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from ignite.engine import Engine
+from ignite.engine import Engine, Events
 
 from jcsaug.engine import PolicyExporter
 from jcsaug.engine.export import append_line
@@ -52,6 +52,35 @@ def test_exporter_writes_history_scalars_and_policies(tmp_path, monkeypatch):
     loaded_tra, loaded_tea = load_policies(tmp_path / "policies.json")
     assert torch.allclose(loaded_tra.logits, tra.logits) and torch.allclose(loaded_tea.logits, tea.logits)
     assert not list(tmp_path.glob(".policies.json.*"))  # no temporary file left behind
+
+
+@pytest.mark.parametrize("exporter_first", [True, False])
+def test_tensorboard_scalars_carry_each_update_at_its_own_iteration(tmp_path, monkeypatch, exporter_first):
+    """A bundle lists the exporter among its train_handlers *before* the policy updaters: the scalars must still
+    show each update at the iteration it happened (not one late), the last iteration's update included."""
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = _FakeWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    _FakeWriter.scalars = []
+    tea = make_tea_policy()
+    engine = Engine(lambda engine, batch: None)
+    identity = [float(tea.probabilities()[0][0, 0])]  # at the start, then after each iteration
+
+    def update(engine):  # a policy updater: updates on iterations 2 and 3 (the last)
+        if engine.state.iteration >= 2:
+            with torch.no_grad():
+                tea.logits[0, 0] += 0.5
+        identity.append(float(tea.probabilities()[0][0, 0]))
+
+    exporter = PolicyExporter(tmp_path, tea_policy=tea, tensorboard_dir=tmp_path / "tb")
+    if exporter_first:
+        exporter.attach(engine)
+    engine.add_event_handler(Events.ITERATION_COMPLETED, update)
+    if not exporter_first:
+        exporter.attach(engine)
+    engine.run(range(3), max_epochs=1)
+    logged = [(step, value) for tag, value, step in _FakeWriter.scalars if tag == "tea/tea/identity"]
+    assert logged == [(0, pytest.approx(identity[0])), (2, pytest.approx(identity[2])), (3, pytest.approx(identity[3]))]
 
 
 def test_policies_json_round_trip_and_names(tmp_path):

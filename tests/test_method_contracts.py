@@ -107,6 +107,40 @@ def test_tea_gumbel_update_scores_copies_and_masks_undrawn_ops(mask_undrawn):
     assert steps == ([1.0, 0.0, 1.0] if mask_undrawn else [1.0, 1.0, 1.0])
 
 
+def test_tea_gumbel_update_scores_every_patch_with_its_own_copies():
+    """``patches=2`` (the bundles' ``tea_patches``) with Z = 2: patch A's copies drawn +0.05 and identity, patch B's
+    +0.05 and mirror all (mapped back: B's untouched loss). Each patch's losses are centred on its own copies,
+    ``h = (D - mean_patch) / Z / patches``, then divided by the op's count over both patches: with ``dw/dp = 1``
+    at the drawn op the gradient is ``-(A1 - A0) / 8`` (identity), ``-(B1 - B0) / 8`` (mirror) and
+    ``((A1 - A0) + (B1 - B0)) / 16`` (+0.05, drawn twice); ``last_dice`` is the patches' mean."""
+    ops = [TEA_OPS[0], TEA_OPS[41], TEA_OPS[54]]
+    policy = CategoricalPolicy([len(ops)]).double()
+    choices = torch.tensor([[2], [0], [2], [1]])
+    _, label = _octant_patch()
+    images = torch.stack([label, 0.6 * label + 0.1])  # two lesion-centred patches with different losses
+    val = [{"image": images, "label": torch.stack([label, label])}]
+    updater = TEAPolicyUpdater(policy, _Threshold(), val, lr=0.1, num_copies=2, ops=ops, patches=2, poly_power=0)
+    predicted = []
+    updater.model.register_forward_hook(lambda module, args, out: predicted.append(args[0].shape[0]))
+
+    def gumbel_sample(groups, generator=None):  # weights with dw/dp = 1 at the drawn op
+        picked = policy.logits[0][choices[: len(groups)]]
+        return choices[: len(groups)], picked - picked.detach() + 1
+
+    updater.policy.gumbel_sample = gumbel_sample
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run([0], max_epochs=1)
+    assert (updater.updates, sum(predicted)) == (1, 2 * 3)  # each patch and its Z copies
+    lab = label.numpy()
+    a0, a1, b0, b1 = (_soft_dice_loss(_sigmoid(6 * (s * lab + c - 0.5)), lab)
+                      for s, c in ((1.0, 0.0), (1.0, 0.05), (0.6, 0.1), (0.6, 0.15)))  # fmt: skip
+    expected = [-(a1 - a0) / 8, -(b1 - b0) / 8, ((a1 - a0) + (b1 - b0)) / 16]
+    np.testing.assert_allclose(policy.logits.grad[0].numpy(), expected, rtol=1e-5, atol=1e-9)
+    mean = {"untouched": (a0 + b0) / 2, "augmented_mean": ((a0 + a1) / 2 + (b0 + b1) / 2) / 2}
+    assert updater.last_dice == pytest.approx(mean, rel=1e-5)
+
+
 def test_tea_gumbel_draws_come_from_the_updaters_seeded_generator():
     ops = TEA_OPS[:12]
     image, label = _octant_patch()

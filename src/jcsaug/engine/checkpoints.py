@@ -8,7 +8,8 @@
   same folder + ``fsync`` + ``os.replace``: a crash mid-write never leaves a half-written file under the
   checkpoint's name. (MONAI's ``CheckpointSaver`` builds its ignite ``DiskSaver`` with ``atomic=False``,
   so it writes the final file in place.) Neither writes a state holding NaN/Inf (a diverged run): the
-  previous, finite files stay (:func:`nonfinite_entries`).
+  previous, finite files stay (:func:`nonfinite_entries`). The saver removes the files beyond ``n_saved`` only
+  once the new one is written, so a failed write keeps the last good checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import ignite.distributed as idist
 import torch
 from monai.handlers import CheckpointSaver
 
@@ -294,10 +296,12 @@ def save_checkpoint_atomic(path: str | Path, objects: Mapping[str, Any], check_f
 
 class AtomicCheckpointSaver(CheckpointSaver):
     """MONAI's ``CheckpointSaver`` (same arguments) whose files are written atomically by
-    :func:`save_state_atomic` (MONAI's own uses ``DiskSaver(atomic=False)`` and writes in place), and never
-    from a non-finite state: ignite removes the oldest of ``n_saved`` files *before* writing the new one, so the
-    check comes first. A non-finite state at an epoch end or at the end of training raises ``TrainingDiverged``
-    (the run fails, the previous files stay); after an exception the final checkpoint is skipped with an error log.
+    :func:`save_state_atomic` (MONAI's own uses ``DiskSaver(atomic=False)`` and writes in place), never
+    from a non-finite state, and whose old files go only once the new one is written: ignite removes the oldest
+    of ``n_saved`` files *before* writing the new one, so a failed write (disk full, a kill during the save)
+    would leave no checkpoint at all; here the removal waits for the next successful write. A non-finite state at
+    an epoch end or at the end of training raises ``TrainingDiverged`` (the run fails, the previous files stay);
+    after an exception the final checkpoint is skipped with an error log.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -306,9 +310,9 @@ class AtomicCheckpointSaver(CheckpointSaver):
             if checkpoint is None:
                 continue
             handler = checkpoint.save_handler
-            if not hasattr(handler, "_save_func"):
+            if not hasattr(handler, "_save_func") or not hasattr(handler, "dirname"):
                 raise TypeError(f"unexpected ignite save handler {type(handler).__name__}: cannot make it atomic")
-            handler._save_func = _atomic_save_func
+            _save_before_removing(handler)
 
     def completed(self, engine: Any) -> None:
         _refuse_nonfinite(f"the final checkpoint in {self.save_dir}", self.save_dict)
@@ -333,5 +337,22 @@ class AtomicCheckpointSaver(CheckpointSaver):
         super().exception_raised(engine, e)
 
 
-def _atomic_save_func(checkpoint: Mapping, path: Path, func: Any = None) -> None:
-    save_state_atomic(path, checkpoint)
+def _save_before_removing(handler: Any) -> None:
+    """Make an ignite ``DiskSaver`` write atomically and remove the files ignite retires (``remove``, called before
+    the write) only after the next write succeeded; the newly written file itself is never removed (MONAI's
+    fixed-name final checkpoint is retired and rewritten under the same name)."""
+    retired: list[Path] = []
+
+    def remove(filename: str) -> None:
+        if idist.get_rank() == handler.save_on_rank:  # the rank that writes (DiskSaver.remove's own check)
+            retired.append(Path(handler.dirname) / (getattr(handler, "filename", None) or filename))
+
+    def save(checkpoint: Mapping, path: Path, func: Any = None) -> None:
+        save_state_atomic(path, checkpoint)  # raises on failure: the retired files stay
+        while retired:
+            old = retired.pop(0)
+            if old != Path(path):
+                old.unlink(missing_ok=True)  # missing: a retired file whose own write had failed
+
+    handler.remove = remove
+    handler._save_func = save

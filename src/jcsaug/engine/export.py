@@ -74,7 +74,8 @@ class PolicyExporter:
     * every epoch: one line of probabilities appended to ``output_dir/policy_history.jsonl`` (whole lines only,
       :func:`append_line`);
     * when ``tensorboard_dir`` is given and tensorboard is installed: a scalar per op probability after every
-      policy update (every iteration that changed a policy);
+      policy update (every iteration that changed a policy), at that iteration's step, whether the exporter is
+      attached before or after the policy updaters;
     * at the end of training (and on every epoch, so a crash leaves a recent one): ``policies.json``,
       written atomically, readable by ``jcsaug policy show PATH``.
     """
@@ -95,15 +96,19 @@ class PolicyExporter:
         if idist.get_rank() != 0:
             return
         engine.add_event_handler(Events.STARTED, self._open)
-        engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._epoch)
-        engine.add_event_handler(Events.COMPLETED, self.write_policies)
+        engine.add_event_handler(Events.COMPLETED, self._completed)
 
     @property
     def policies_path(self) -> Path:
         return self.output_dir / "policies.json"
 
     def _open(self, engine: Engine) -> None:
+        # Ignite runs an event's handlers in the order they were added: added now, when the run starts, the scalars
+        # handler comes after every handler attached before the run (the policy updaters, whatever the order of a
+        # bundle's train_handlers), so it sees the policy as the iteration's update left it
+        if not engine.has_event_handler(self._iteration, Events.ITERATION_COMPLETED):
+            engine.add_event_handler(Events.ITERATION_COMPLETED, self._iteration)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.tensorboard_dir is not None and self._writer is None:
             try:
@@ -140,9 +145,16 @@ class PolicyExporter:
             self._writer.add_scalar(tag, value, engine.state.iteration)
 
     def _epoch(self, engine: Engine) -> None:
+        self._iteration(engine)  # an update that ran after the scalars handler (an updater attached during the run)
         scalars = self._scalars()
         record = {"epoch": engine.state.epoch, "iteration": engine.state.iteration, "probabilities": scalars}
         append_line(self.output_dir / "policy_history.jsonl", json.dumps(record))
+        if self._writer is not None:
+            self._writer.flush()
+        self.write_policies(engine)
+
+    def _completed(self, engine: Engine) -> None:
+        self._iteration(engine)  # the last update, also when the run was stopped mid-epoch
         if self._writer is not None:
             self._writer.flush()
         self.write_policies(engine)

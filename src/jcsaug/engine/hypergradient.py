@@ -8,6 +8,10 @@ With the trainer's step ``theta -> theta*`` done, and ``v = grad L_val(theta*)``
 * :func:`normalise_hypergradient` centres per class group and divides by the sampling frequency of
   each op per series, giving one coefficient per (sample, series).
 
+Both estimators also work on a network in training mode (the updaters' ``meta_mode="train"``): the two passes of the
+finite difference draw the same random numbers (dropout masks), and the network's buffers (BatchNorm running
+statistics) are left as they were.
+
 Estimators are chosen by name (the updaters' ``hypergradient`` argument, the bundles' ``hypergradient`` id):
 ``register_hypergradient(name, fn)`` adds one with the signature of :func:`finite_difference_hypergradient`,
 ``get_hypergradient`` / ``list_hypergradients`` look them up.
@@ -15,7 +19,7 @@ Estimators are chosen by name (the updaters' ``hypergradient`` argument, the bun
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -47,6 +51,37 @@ def call_with(model: nn.Module, tensors: Mapping[str, torch.Tensor], *args: torc
             store[key] = value
 
 
+def pass_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers for one extra pass of ``model``: its own, or copies in training mode.
+
+    Why copies: BatchNorm in training mode updates its running statistics (and ``num_batches_tracked``) in place,
+    so an extra pass would change the network the trainer trains; and ``torch.func`` transforms refuse to mutate a
+    tensor from outside. In eval mode nothing is written and the buffers are used as they are.
+    """
+    if not model.training:
+        return dict(model.named_buffers())
+    return {k: b.clone() for k, b in model.named_buffers()}
+
+
+def rewind_randomness(device: torch.device) -> Callable[[], None]:
+    """A function that puts the random generators a pass on ``device`` draws from back to their state now.
+
+    Calling it between two passes makes them draw the same random numbers (the same dropout masks), so that their
+    difference is the parameters' effect alone; the generators end as after one pass, and runs stay reproducible
+    under ``set_determinism`` (no new seed is drawn).
+    """
+    cpu = torch.get_rng_state()
+    module = None if device.type == "cpu" else getattr(torch, device.type, None)  # torch.cuda, torch.mps, ...
+    accelerator = module.get_rng_state(device) if hasattr(module, "get_rng_state") else None
+
+    def rewind() -> None:
+        torch.set_rng_state(cpu)
+        if accelerator is not None:
+            module.set_rng_state(accelerator, device)
+
+    return rewind
+
+
 def losses_at(
     model: nn.Module,
     params: Mapping[str, torch.Tensor],
@@ -74,14 +109,18 @@ def finite_difference_hypergradient(
 
     ``L_train = (1/n) sum_i w_i l_i`` so ``dL_train/dw_i = l_i / n``. Returns ``[n]`` (float64).
     ``v_norm`` may pass ``||v||`` when the caller has it already.
+
+    In training mode both passes see the same dropout masks (a difference of two independent draws would swamp the
+    ``O(eps)`` signal) and run on copies of the buffers (BatchNorm running statistics stay as they were).
     """
     eps = r / (flat_norm(v) if v_norm is None else v_norm)
-    buffers = dict(model.named_buffers())
     with torch.no_grad():
         plus = {k: theta[k] + eps * v[k] for k in theta}
         minus = {k: theta[k] - eps * v[k] for k in theta}
-        l_plus = losses_at(model, plus, buffers, image, label, loss_fn).double()
-        l_minus = losses_at(model, minus, buffers, image, label, loss_fn).double()
+        rewind = rewind_randomness(image.device)
+        l_plus = losses_at(model, plus, pass_buffers(model), image, label, loss_fn).double()
+        rewind()
+        l_minus = losses_at(model, minus, pass_buffers(model), image, label, loss_fn).double()
     n = image.shape[0]
     return -lr * (l_plus - l_minus) / (2 * eps) / n
 
@@ -98,13 +137,14 @@ def jvp_hypergradient(
 ) -> torch.Tensor:
     """Exact ``g_i = -lr/n * grad l_i(theta) . v`` by one forward-mode JVP. Returns ``[n]`` (float64).
 
-    ``v_norm`` is accepted for a common signature with the finite difference and not needed.
+    ``v_norm`` is accepted for a common signature with the finite difference and not needed. In training mode the
+    buffers are copied inside the transformed function, where BatchNorm may update them (``torch.func`` refuses to
+    mutate the network's own), and the network's stay as they were.
     """
-    buffers = dict(model.named_buffers())
     names = list(theta)
 
-    def losses(*flat: torch.Tensor) -> torch.Tensor:
-        return losses_at(model, dict(zip(names, flat)), buffers, image, label, loss_fn)
+    def losses(*flat: torch.Tensor) -> torch.Tensor:  # the copies are made here, inside the transform
+        return losses_at(model, dict(zip(names, flat)), pass_buffers(model), image, label, loss_fn)
 
     with torch.no_grad():
         _, tangent = jvp(losses, tuple(theta[k] for k in names), tuple(v[k] for k in names))

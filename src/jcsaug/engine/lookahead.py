@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from jcsaug.engine.hypergradient import flat_norm, losses_at
-from jcsaug.engine.losses import PerSampleLoss, main_output
+from jcsaug.engine.hypergradient import flat_norm, losses_at, pass_buffers, rewind_randomness
+from jcsaug.engine.losses import PerSampleLoss
 
 Vector = dict[str, torch.Tensor]
 
@@ -60,12 +60,15 @@ def hessian_vector_products(
     if exact:
         return _exact_products(model, params, image, label, loss_fn, vectors)
 
-    buffers = dict(model.named_buffers())
+    # in training mode every pass draws the same dropout masks and runs on copies of the buffers, so that the
+    # difference of two gradients is the shift's effect alone and BatchNorm's running statistics stay as they were
+    rewind = rewind_randomness(image.device)
 
     def gradient_at(shift: Mapping[str, torch.Tensor] | None, eps: float) -> Vector:
         point = {n: (p.detach() + eps * shift[n] if shift is not None else p.detach()).requires_grad_()
                  for n, p in params.items()}  # fmt: skip
-        loss = losses_at(model, point, buffers, image, label, loss_fn).mean()
+        rewind()
+        loss = losses_at(model, point, pass_buffers(model), image, label, loss_fn).mean()
         grads = torch.autograd.grad(loss, list(point.values()), allow_unused=True)
         return {n: g if g is not None else torch.zeros_like(p) for (n, p), g in zip(params.items(), grads)}
 
@@ -93,7 +96,7 @@ def _exact_products(
     loss_fn: PerSampleLoss,
     vectors: list[Mapping[str, torch.Tensor]],
 ) -> list[Vector]:
-    loss = loss_fn(main_output(model(image)), label).mean()
+    loss = losses_at(model, params, pass_buffers(model), image, label, loss_fn).mean()  # buffers: see above
     grads = torch.autograd.grad(loss, list(params.values()), create_graph=True, allow_unused=True)
     used = [(name, g) for name, g in zip(params, grads) if g is not None and g.requires_grad]
     out = []

@@ -49,13 +49,16 @@ def predict_by_shape(model: nn.Module, images: Sequence[torch.Tensor]) -> list[t
 
 
 class TEAPolicyUpdater(PolicyUpdater):
-    """Learn the TEA policy (SPEC §5) from one foreground-centred validation patch per update.
+    """Learn the TEA policy (SPEC §5) from ``patches`` foreground-centred validation patches per update (one, as
+    the paper, by default).
 
-    The patch is copied Z+1 times: copy 0 stays untouched, copies 1..Z are transformed by ops drawn
+    Each patch is copied Z+1 times: copy 0 stays untouched, copies 1..Z are transformed by ops drawn
     from the TEA policy (Gumbel-softmax). The current network predicts each copy (no gradient through
     the network), every prediction is mapped back by its op's inverse, and scored by soft Dice against
     the label over all foreground classes. The loss ``sum_k w_k Dice_k / sum_k w_k`` gives centred
-    gradients ``dL/dw_k``, which are divided by how often op k was drawn before the Adam step.
+    gradients ``dL/dw_k``, which are divided by how often op k was drawn before the Adam step. With several
+    patches the loss is the mean of the patches' losses (each centred on its own copies) and the counts are
+    over all patches' copies.
 
     Estimators:
 
@@ -155,9 +158,6 @@ class TEAPolicyUpdater(PolicyUpdater):
         self.max_batches = int(max_batches)
         self.last_dice: dict[str, float] = {}
 
-    def _foreground_patch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._foreground_patches(1)[0]
-
     def _foreground_patches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Up to ``count`` foreground-centred validation patches (else patches with some foreground)."""
         found, fallback = [], []
@@ -217,18 +217,28 @@ class TEAPolicyUpdater(PolicyUpdater):
         if self.estimator == "paired":
             self._paired_update(engine)
             return
-        image, label = self._foreground_patch()
-        choices, weights = self.policy.gumbel_sample(torch.zeros(self.num_copies, dtype=torch.long), self.generator)
-        ops = [self.ops[int(k)] for k in choices[:, 0]]
-        dice = self._mapped_back_dice(image, label, ops)
-        if not torch.isfinite(dice).all():
-            raise SkipUpdate("non-finite TEA Dice")
-        self.last_dice = {"untouched": float(dice[0]), "augmented_mean": float(dice[1:].mean())}
-        # L = sum_k w_k D_k / sum_k w_k at w = 1: dL/dw_k = (D_k - mean D) / Z (already centred)
-        w = torch.ones(self.num_copies, dtype=torch.float64, requires_grad=True)
-        loss = (w * dice[1:]).sum() / w.sum()
-        (h,) = torch.autograd.grad(loss, w)
+        patches = self._foreground_patches(self.patches)
+        z = self.num_copies
+        choices, weights = self.policy.gumbel_sample(torch.zeros(len(patches) * z, dtype=torch.long), self.generator)
+        h, untouched, augmented = [], [], []
+        for p, (image, label) in enumerate(patches):  # each patch with its own Z copies
+            dice = self._mapped_back_dice(image, label, [self.ops[int(k)] for k in choices[p * z : (p + 1) * z, 0]])
+            if not torch.isfinite(dice).all():
+                raise SkipUpdate("non-finite TEA Dice")
+            untouched.append(float(dice[0]))
+            augmented.append(float(dice[1:].mean()))
+            # L_p = sum_k w_k D_k / sum_k w_k at w = 1: dL_p/dw_k = (D_k - mean D) / Z (centred on the patch's own
+            # copies, so that an easy and a hard patch are compared op against op, not patch against patch)
+            w = torch.ones(z, dtype=torch.float64, requires_grad=True)
+            (grad,) = torch.autograd.grad((w * dice[1:]).sum() / w.sum(), w)
+            h.append(grad)
+        self.last_dice = {
+            "untouched": sum(untouched) / len(untouched),
+            "augmented_mean": sum(augmented) / len(augmented),
+        }
+        # L = the mean of the patches' L_p; each op's gradient divided by how often it was drawn over all patches
+        h_all = torch.cat(h) / len(patches)
         drawn = choices[:, 0]
         counts = (drawn[:, None] == drawn[None, :]).sum(1).double()
         drawn = self.policy.drawn_mask(choices) if self.mask_undrawn else None
-        self.step(engine, ((h / counts).to(weights.dtype) * weights[:, 0]).sum(), drawn)
+        self.step(engine, ((h_all / counts).to(weights.dtype) * weights[:, 0]).sum(), drawn)

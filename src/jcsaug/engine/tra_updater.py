@@ -109,7 +109,9 @@ class TRAPolicyUpdater(PolicyUpdater):
         tea_policy: in joint mode, the TEA policy whose ops transform the validation batch.
         tea_ops: the TEA catalogue (default :data:`jcsaug.ops.tea.TEA_OPS`).
         meta_mode: ``"eval"`` runs the extra passes with the network in eval mode (deterministic
-            dropout, no BatchNorm statistics updates); ``"train"`` keeps the trainer's mode.
+            dropout, BatchNorm's running statistics); ``"train"`` in training mode (dropout, BatchNorm's batch
+            statistics), with the same dropout masks at ``theta + eps v`` and ``theta - eps v`` and the network's
+            buffers (BatchNorm's running statistics) put back as they were after the update.
         prepare_batch: ``(batch, device) -> (image, label)``.
         mask_undrawn: ops that no sample of a class group drew keep their logits and Adam state (see
             :meth:`PolicyUpdater.step`); ``False`` keeps the plain Gumbel-softmax gradient (``"gumbel"`` only).
@@ -332,6 +334,9 @@ class TRAPolicyUpdater(PolicyUpdater):
             image, label = torch.cat([image, cf_images]), torch.cat([label, cf_labels.to(label.dtype)])
         was_training = self.model.training
         self.model.train(self.meta_mode == "train")
+        # in training mode the extra passes (validation, look-ahead, theta ± eps v) would update BatchNorm's running
+        # statistics: the network the trainer trains gets its buffers back as they were
+        saved = [(b, b.clone()) for b in self.model.buffers()] if self.meta_mode == "train" else []
         try:
             v = self._validation_gradient()
             if self.lookahead is not None:
@@ -343,6 +348,9 @@ class TRAPolicyUpdater(PolicyUpdater):
         finally:
             self.model.train(was_training)
             self._theta = None
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
         if not torch.isfinite(g).all():
             raise SkipUpdate("non-finite training loss at theta ± eps v")
         if paired:
