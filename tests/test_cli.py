@@ -137,3 +137,14 @@ def test_make_synthetic_bad_arguments_are_one_line_errors(tmp_path, capsys, args
     err = capsys.readouterr().err.strip()
     assert err.startswith("jcsaug make-synthetic: error: ") and expected in err and "\n" not in err
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "two"])
+def test_prepare_max_cases_must_be_positive(tmp_path, capsys, value):
+    """A negative --max-cases used to slice off subjects silently (-1: all but one)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["prepare", "kits19_tumor", str(tmp_path), "--out", str(tmp_path / "out"), "--max-cases", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-cases" in err and ("positive integer" in err or "invalid int value" in err)
+    assert not (tmp_path / "out").exists()

@@ -20,6 +20,7 @@ from monai.data import MetaTensor
 from monai.transforms import Compose, Lambda
 
 from jcsaug.data import CheckFinited, CheckImageLabeld, SafeLoadImaged
+from jcsaug.data.checks import label_value_problems
 from jcsaug.ops.tra import TRA_SERIES, apply_tra, sample_tra_params
 from jcsaug.policy import ClassGroupd, TRACascaded, make_tra_policy
 from jcsaug.policy.io import load_policies, save_policies
@@ -370,6 +371,8 @@ BAD_PAIRS = {
     "label_-1": ((10, 9, 8), np.int16, -1, None, r"label values \[-1\] are not classes 0\.\.2"),
     "label_256": ((10, 9, 8), np.int16, 256, None, r"label values \[256\] are not classes 0\.\.2"),
     "label_0.5": ((10, 9, 8), np.float32, 0.5, None, r"label has non-integer values, e\.g\. \[0\.5\]"),
+    "label_nan": ((10, 9, 8), np.float32, np.nan, None, r"label has 1 NaN/Inf voxels"),  # was: background
+    "label_inf": ((10, 9, 8), np.float32, -np.inf, None, r"label has 1 NaN/Inf voxels"),
     "2d": ((10, 9), np.uint8, None, None, r"image is 2D \(spatial shape \(10, 9\)\), 3D is needed"),
     "4d": ((10, 9, 8, 3), np.uint8, None, None, r"image has 3 channels \(a 4D file\?\), 1 expected"),
 }
@@ -388,6 +391,19 @@ def test_bad_image_label_pairs_name_the_case_and_the_values(tmp_path, name):
     with pytest.raises(ValueError, match=rf"^case {re.escape(entry['image'])} \(with {re.escape(entry['label'])}\): "
                        rf".*{expected}"):  # fmt: skip
         _load_and_check(entry)
+
+
+def test_nan_label_voxels_are_counted_and_the_key_named():
+    """NaN compares false with every class bound: it must be refused, not cast to background (0) later."""
+    label = torch.zeros(1, 6, 5, 4)
+    label[0, :2, 0, 0] = float("nan")
+    label[0, 3, 3, 3] = float("inf")
+    assert label_value_problems(label, 3, "seg") == ["seg has 3 NaN/Inf voxels"]
+    data = {"image": torch.zeros(1, 6, 5, 4), "seg": label, "case": "case_7"}
+    check = CheckImageLabeld(keys=("image", "seg"), label_key="seg", num_classes=3)
+    with pytest.raises(ValueError, match=r"seg has 3 NaN/Inf voxels"):
+        check(data)
+    assert label_value_problems(torch.ones(2, 2), 3) == []
 
 
 def test_a_good_pair_passes_unchanged(tmp_path):

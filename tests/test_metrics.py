@@ -283,3 +283,41 @@ def test_evaluation_and_prediction_move_the_network_to_their_device(tmp_path):
     written = predict_cases(network, [{"image": str(path)}], SimpleInferer(), tmp_path / "out", device="cpu",
                             progress=False)  # fmt: skip
     assert network.moved_to == [torch.device("cpu")] and not network.training and written[0].is_file()
+
+
+def test_evaluate_cases_gives_the_mean_dice_of_the_reported_classes(tmp_path):
+    """Defect 4: a task's report_classes (KiTS: tumour) get their mean Dice in metrics.json, beside the all-class
+    mean, equal to what ``jcsaug report --classes`` computes from per_case.csv."""
+    volumes = []
+    for offset in (0, 3):
+        label = torch.zeros(1, 10, 10, 10)
+        label[0, 1:5, 1:5, 1:5] = 1
+        label[0, 5 + offset // 3 : 8, 5:8, 5:8] = 2
+        volumes.append({"image": label.clone(), "label": label})
+
+    class Shrunk(torch.nn.Module):  # predicts class 2 one voxel layer short: kidney perfect, tumour not
+        def forward(self, x):
+            pred = x.clone()
+            pred[:, :, 5] = torch.where(pred[:, :, 5] == 2, torch.zeros_like(pred[:, :, 5]), pred[:, :, 5])
+            return torch.nn.functional.one_hot(pred[:, 0].long(), 3).permute(0, 4, 1, 2, 3).float()
+
+    cases = [{"image": "a", "i": 0}, {"image": "b", "i": 1}]
+    out = tmp_path / "run" / "metrics.json"
+    metrics = evaluate_cases(Shrunk(), cases, lambda e: volumes[e["i"]], {"none": SimpleInferer()}, 3,
+                             output_path=out, spacing=1.0, progress=False,
+                             report_classes={"tumour": (2,), "both": [1, 2]})  # fmt: skip
+    reported = metrics["none"]["mean_dice_reported"]
+    tumour = [row["dice"][1] for row in metrics["none"]["per_case"]]
+    assert reported["tumour"] == {"classes": [2], "mean_dice": pytest.approx(sum(tumour) / 2)}
+    assert reported["tumour"]["mean_dice"] < 1.0 and metrics["none"]["mean_dice_per_class"][0] == 1.0
+    assert reported["both"]["mean_dice"] == pytest.approx(metrics["none"]["mean_dice"])
+    assert json.loads(out.read_text())["none"]["mean_dice_reported"]["tumour"]["classes"] == [2]
+    report = build_report([tmp_path / "run"], classes=[2])
+    assert report.means["none"]["dice"] == pytest.approx(reported["tumour"]["mean_dice"])
+    plain = evaluate_cases(Shrunk(), cases, lambda e: volumes[e["i"]], {"none": SimpleInferer()}, 3, spacing=1.0,
+                           progress=False)  # fmt: skip
+    assert "mean_dice_reported" not in plain["none"]  # without report_classes: metrics.json as before
+    for bad in ({"x": [3]}, {"x": [0]}, {"x": []}):
+        with pytest.raises(ValueError, match="not foreground classes 1..2"):
+            evaluate_cases(Shrunk(), cases, lambda e: volumes[e["i"]], {"none": SimpleInferer()}, 3, spacing=1.0,
+                           progress=False, report_classes=bad)  # fmt: skip

@@ -15,7 +15,7 @@ import pytest
 import jcsaug.tasks.prepare as prepare_module
 from fake_raw import TASK_NAMES, make_fake_raw, raw_case_files
 from jcsaug.data import intensity_normalisation
-from jcsaug.tasks import PrepareError, get_task, load_split, paper_setting, prepare_task
+from jcsaug.tasks import PrepareError, RawCase, get_task, load_split, paper_setting, prepare_task
 from jcsaug.tasks.splits import half_subset, scaled_sizes
 
 
@@ -285,3 +285,64 @@ def test_every_failing_case_is_reported_and_the_others_are_prepared(tmp_path, wo
     for key in broken:
         assert f"cannot read label {files[key][1]}" in message
     assert len(list((tmp_path / "data" / ".prepare" / "cases").glob("*.json"))) == len(files) - 3
+
+
+def _one_case(tmp_path: Path, image: np.ndarray, label: np.ndarray) -> RawCase:
+    """A raw case on the prostate grid (0.8 x 0.8 x 1.5 mm, RAS): resampling it changes no voxel."""
+    affine = np.diag([0.8, 0.8, 1.5, 1.0])
+    paths = tmp_path / "raw_image.nii.gz", tmp_path / "raw_label.nii.gz"
+    nib.save(nib.Nifti1Image(image, affine, dtype=image.dtype), str(paths[0]))  # int64 needs an explicit dtype
+    nib.save(nib.Nifti1Image(label, affine), str(paths[1]))
+    return RawCase("case", *paths)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "lo", "hi", "stored"),
+    [
+        (np.int16, -1024, 3000, np.int16),  # CT in HU
+        (np.uint16, 1000, 45039, np.uint16),  # MR stored as uint16 beyond 32767: was clipped to 32767
+        (np.uint8, 0, 255, np.int16),
+        (np.int32, -5, 70000, np.int32),
+        (np.int64, 0, 40000, np.int32),  # int64 is stored as int32 where the values fit
+        (np.int64, 0, 3_000_000_000, np.float32),
+    ],
+)
+def test_integer_images_keep_their_values(tmp_path, dtype, lo, hi, stored):
+    """Defect 1: an integer image is written as int16 only where its values fit; no value is clipped."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(lo, hi, (12, 10, 8), endpoint=True).astype(dtype)
+    image.flat[:2] = lo, hi
+    label = np.zeros(image.shape, np.uint8)
+    label[4:8, 4:7, 3:5] = 1
+    record = prepare_module.prepare_case(get_task("prostate_crosssite"), _one_case(tmp_path, image, label), tmp_path)
+    out = np.asarray(nib.load(str(tmp_path / record["image"])).dataobj)
+    assert out.dtype == stored
+    assert out.min() == lo and out.max() == hi
+    if stored != np.float32:  # exact, voxel for voxel (same grid)
+        np.testing.assert_array_equal(out.astype(np.int64), image.astype(np.int64))
+
+
+def test_nan_label_voxels_are_named(tmp_path):
+    """Defect 2: NaN in a float label is refused with the count, not shown as the int64 cast of NaN."""
+    image = np.ones((12, 10, 8), np.float32)
+    label = np.zeros(image.shape, np.float32)
+    label[4:8, 4:7, 3:5] = 1
+    label[0, 0, :3] = np.nan
+    label[1, 0, 0] = np.inf
+    case = _one_case(tmp_path, image, label)
+    with pytest.raises(PrepareError) as err:
+        prepare_module.prepare_case(get_task("prostate_crosssite"), case, tmp_path / "out")
+    message = str(err.value)
+    assert "4 NaN/Inf voxels" in message and str(case.label) in message and "case case" in message
+    assert "-9223372036854775808" not in message
+
+
+def test_max_cases_must_be_positive_and_keeps_that_many_subjects(tmp_path):
+    """Defect 3: ``max_cases=-1`` kept all subjects but one, silently; now anything but a positive count is refused."""
+    raw = make_fake_raw("btcv_abdomen", tmp_path / "raw")
+    for bad in (-1, 0, 2.5):
+        with pytest.raises(PrepareError, match="max_cases must be a positive number"):
+            prepare_task("btcv_abdomen", raw, tmp_path / "data", max_cases=bad, progress=False)
+    assert not (tmp_path / "data").exists()  # refused before anything is written
+    cases = get_task("btcv_abdomen").find_cases(raw, False)
+    assert len(prepare_module._subset(cases, 3, seed=0)) == 3 and prepare_module._subset(cases, None, 0) == cases

@@ -169,3 +169,35 @@ def test_without_a_baseline_means_and_ranks_only(tmp_path, capsys):
     other = _write(tmp_path / "other", {"D": DATA["A"]}, cases=["c1", "c2", "c3", "c4", "x9"])
     with pytest.raises(ReportError, match="'other/D' is not evaluated on the same cases as 'run/A'"):
         build_report([run, other])
+
+
+def test_task_defaults_the_classes_to_its_reported_ones(tmp_path, capsys):
+    """Defect 4: ``--task kits19_tumor`` averages over the tumour (class 2), as the paper reports; --classes wins."""
+    per_class = {"A": {m: [[0.9, 0.2]] * 5 for m in METRICS}, "B": {m: [[0.8, 0.4]] * 5 for m in METRICS}}
+    run = _write(tmp_path / "run", per_class, classes=(1, 2))
+    assert _cli([str(run), "--task", "kits19_tumor"]) == 0
+    out = capsys.readouterr().out
+    assert "| A | 20.0 |" in out and "| B | **40.0** |" in out and "classes [2] (tumour)" in out
+    assert _cli([str(run), "--task", "kits19_tumor", "--classes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| A | **90.0** |" in out and "classes [1]." in out
+    assert _cli([str(run)]) == 0 and "| A | 55.0 |" in capsys.readouterr().out  # no task: all classes, as before
+    with pytest.raises(SystemExit):
+        _cli([str(run), "--task", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_report_classes_of_every_task():
+    """The headline subset is the first of a task's report_classes: BTCV and the cardiac tasks report all classes
+    first (rare organs / one structure beside them); KiTS the tumour only."""
+    from jcsaug.evaluation.report import report_classes
+
+    assert report_classes("kits19_tumor", None) == ([2], "tumour")
+    assert report_classes("atlas_stroke", None) == ([1], "lesion")
+    assert report_classes("btcv_abdomen", None) == (list(range(1, 14)), "organs")
+    assert report_classes("btcv_abdomen", [13, 12, 11, 10, 9, 8, 5, 4]) == ([13, 12, 11, 10, 9, 8, 5, 4], "rare organs")
+    assert report_classes("cardiac_crosssite", None) == ([1, 2, 3], "AVG")
+    assert report_classes("cardiac_crosssequence", [3]) == ([3], "RV")
+    assert report_classes(None, None) == (None, None) and report_classes(None, [2]) == ([2], None)
+    with pytest.raises(ReportError, match="unknown task 'nope'"):
+        report_classes("nope", None)

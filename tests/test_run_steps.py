@@ -44,7 +44,7 @@ def test_every_tra_mode_builds_its_policy_and_updater(tra_mode, tmp_path):
     assert setup.tra_policy.num_groups == (3 if mode.from_file else 2 if mode.class_specific else 1)
     updaters = _updaters(setup, tiny_unet())
     assert (updaters.tra is not None) == mode.learned == setup.learn_tra
-    assert list(updaters.checkpoint_items()) == ["tra_updater" if mode.learned else "tra_policy", "tea_policy"]
+    assert list(updaters.checkpoint_items()) == ["tra_updater" if mode.learned else "tra_policy"]  # TEA none
 
 
 @pytest.mark.parametrize("tea_mode", list_tea_modes())
@@ -56,7 +56,11 @@ def test_every_tea_mode_builds_its_updater_test_policy_and_methods(tea_mode, tmp
     path = save_policies(tmp_path / "policies.json", None, learned)  # for `fixed`
     setup = AugmentationSetup("heuristic", tea_mode, tea_policy_file=path)
     assert setup.test_methods == ["none"] + ([mode.test_method] if mode.test_method else [])
-    assert (_updaters(setup, tiny_unet()).tea is not None) == mode.joint
+    updaters = _updaters(setup, tiny_unet())
+    assert (updaters.tea is not None) == mode.joint
+    # checkpoints hold the TEA policy only where it is learned in training or tested as read from a file
+    tea_items = [k for k in updaters.checkpoint_items() if k.startswith("tea")]
+    assert tea_items == (["tea_updater"] if mode.joint else ["tea_policy"] if mode.from_file else [])
     assert setup.tests_learned_tea == (mode.joint or mode.posthoc or mode.from_file)
     assert torch.equal(setup.tea_policy.logits, learned.logits) == mode.from_file
 
@@ -158,12 +162,39 @@ def test_run_summary_reports_dice_changes_skips_and_files(tmp_path):
     lines = text.splitlines()
     assert lines[1] == "  test Dice (mean of 4 cases; no TTA = none): none 0.500, learned 0.625 (+0.125)"
     assert lines[2].startswith("  TRA group 0 (background), most changed: gamma/gamma±[0,0.2) 0.100->")
-    assert lines[3].startswith("  TRA group 1 (foreground), most changed: ") and "(+0.0e+00)" in lines[3]
+    assert lines[3] == "  TRA group 1 (foreground), unchanged"  # unchanged ops are not listed as "most changed"
     assert lines[4].startswith("  TEA, most changed: mirror_axial 0.100->")
     assert lines[5] == "  TRA policy updates: 7 done, 3 skipped (30 %) (one class group only: 3)"
     files = ", ".join(str(tmp_path / name) for name in ("metrics.json", "policies.json", "policies.png"))
     assert lines[6] == f"  files: {files}"
     assert RunSummary(tmp_path).report() == f"run summary ({tmp_path})\n" + lines[6]  # evaluate.yaml: files only
+
+
+def test_run_summary_has_no_most_changed_line_for_a_policy_that_did_not_change(tmp_path):
+    """--tea_mode fixed (or TRA not learned): no "most changed" line listing ops at +0.0e+00."""
+    start = (make_tra_policy("nnunet", 2), make_tea_policy())
+    tra, tea = make_tra_policy("nnunet", 2), make_tea_policy()
+    text = RunSummary(tmp_path, tra, tea, start).report({"none": {"mean_dice": 0.5, "per_case": [{}]}})
+    assert "most changed" not in text and "unchanged" not in text and "+0.0e+00" not in text
+    with torch.no_grad():
+        tea.logits[0, 40] += 1.0
+    lines = RunSummary(tmp_path, tra, tea, start).report().splitlines()
+    assert [line for line in lines if "changed" in line] == [lines[1]] and lines[1].startswith("  TEA, most changed: ")
+    assert lines[1].count("->") == 3 and "+0.0e+00" not in lines[1]  # the moved op and two that lost mass to it
+
+
+def test_run_summary_gives_the_dice_of_the_reported_classes(tmp_path):
+    """KiTS: the tumour Dice (metrics.json "mean_dice_reported") gets a line; a subset of all classes does not."""
+
+    def method(all_classes: float, tumour: float) -> dict:
+        return {"mean_dice": all_classes, "mean_dice_per_class": [0.9, tumour], "per_case": [{}] * 3,
+                "mean_dice_reported": {"tumour": {"classes": [2], "mean_dice": tumour},
+                                       "both": {"classes": [1, 2], "mean_dice": all_classes}}}  # fmt: skip
+
+    lines = RunSummary(tmp_path).lines({"none": method(0.7, 0.5), "learned": method(0.75, 0.6)})
+    assert lines[1] == "  test Dice (mean of 3 cases; no TTA = none): none 0.700, learned 0.750 (+0.050)"
+    assert lines[2] == "  test Dice, tumour (class 2): none 0.500, learned 0.600 (+0.100)"
+    assert len(lines) == 3
 
 
 def test_tensorboard_gets_the_probabilities_after_every_policy_update(tmp_path, monkeypatch):

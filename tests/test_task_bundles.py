@@ -154,6 +154,22 @@ def test_every_merged_config_parses_with_the_task_facts(task):
             assert "run" in parser and parser.get_parsed_content("dataset_dir") == f"data/{task}"
 
 
+def test_every_bundle_evaluates_with_its_reported_classes():
+    """Defect 4: the evaluation (train.yaml and the shared evaluate.yaml) gets the task's report_classes, so
+    metrics.json has e.g. the KiTS tumour Dice; the synthetic bundle, which shares evaluate.yaml, has none."""
+    for task in TASK_NAMES:
+        for extra in ((), ("evaluate.yaml",)):
+            parser = _parser(task, *extra)
+            assert "report_classes=@report_classes" in parser["evaluate"], (task, extra)
+            assert parser.get_parsed_content("report_classes") == get_task(task).report_classes
+    assert dict(get_task("kits19_tumor").report_classes) == {"tumour": (2,)}
+    synthetic = ConfigParser()
+    synthetic.read_config(
+        [str(BUNDLES / "synthetic_lesion" / "configs" / name) for name in ("train.yaml", "evaluate.yaml")]
+    )
+    assert synthetic.get_parsed_content("report_classes") == {}
+
+
 def test_paper_bundles_learn_with_the_paired_estimators_and_the_papers_budgets():
     """Issue 10: the estimators the synthetic benchmark chose, with the paper's beta and gamma (no logit budget)."""
     parser = _parser("kits19_tumor", network="deepmedic")
@@ -197,6 +213,8 @@ def test_evaluate_and_inference_after_training(tiny_runs, prepared, tmp_path):
     log = run_task_bundle("kits19_tumor", tmp_path, data, "train.yaml", "evaluate.yaml", **common)
     metrics = json.loads((run / "metrics_evaluate.json").read_text())
     assert set(metrics) == {"none", "heuristic", "learned"}  # the same method names as after training
+    assert metrics["none"]["mean_dice_reported"]["tumour"]["classes"] == [2]  # the paper reports the tumour
+    assert "test Dice, tumour (class 2): " in log  # run summary
     assert (run / "per_case.csv").is_file() and (run / "per_case_evaluate.csv").is_file()
     assert "run summary" in log and "metrics_evaluate.json" in log
     run_task_bundle("kits19_tumor", tmp_path, data, "train.yaml", "inference.yaml", **common)

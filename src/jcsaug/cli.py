@@ -153,6 +153,17 @@ def _run_synthetic(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------- prepare
+def _positive_int(text: str) -> int:
+    """argparse type of counts: an integer >= 1 (a negative --max-cases silently dropped subjects)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
+    return value
+
+
 def _build_prepare(p: argparse.ArgumentParser) -> None:
     from jcsaug.tasks import list_tasks
 
@@ -162,7 +173,7 @@ def _build_prepare(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random splits (default 0)")
     p.add_argument("--num-workers", type=int, default=0, help="processes for the cases (default: this one)")
     p.add_argument("--skip-unlabelled", action="store_true", help="leave out images without a label file")
-    p.add_argument("--max-cases", type=int, help="use a seeded subset of this many subjects (ATLAS: 220)")
+    p.add_argument("--max-cases", type=_positive_int, help="use a seeded subset of this many subjects (ATLAS: 220)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

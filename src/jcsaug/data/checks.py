@@ -210,24 +210,28 @@ def pair_problems(
     return problems
 
 
-def label_value_problems(label: np.ndarray | torch.Tensor, num_classes: int) -> list[str]:
-    """What is wrong with the values of a label map (``[]``: nothing): non-integers, or outside ``[0, num_classes)``."""
+def label_value_problems(label: np.ndarray | torch.Tensor, num_classes: int, key: str = "label") -> list[str]:
+    """What is wrong with the values of the label map ``key`` (``[]``: nothing): NaN/Inf, non-integers, or outside
+    ``[0, num_classes)``."""
     x = (
         label.as_tensor()
         if isinstance(label, MetaTensor)
         else torch.as_tensor(np.asarray(label) if isinstance(label, np.ndarray) else label)
     )
     if x.is_floating_point():
+        bad = int((~torch.isfinite(x)).sum())
+        if bad:  # NaN compares false with everything below, and a later cast to uint8 would make it background
+            return [f"{key} has {bad} NaN/Inf voxels"]
         off = x[(x - x.round()).abs() > 1e-3]
         if off.numel():
-            return [f"label has non-integer values, e.g. {sorted(set(off.flatten()[:1000].tolist()))[:5]}"]
+            return [f"{key} has non-integer values, e.g. {sorted(set(off.flatten()[:1000].tolist()))[:5]}"]
     if x.numel() == 0:
         return []
     lo, hi = x.min(), x.max()
     if lo < 0 or hi >= num_classes:
         bad = torch.unique(x[(x < 0) | (x >= num_classes)])
         values = [int(v) if float(v).is_integer() else float(v) for v in bad[:10].tolist()]
-        return [f"label values {values} are not classes 0..{num_classes - 1} (num_classes {num_classes})"]
+        return [f"{key} values {values} are not classes 0..{num_classes - 1} (num_classes {num_classes})"]
     return []
 
 
@@ -282,7 +286,7 @@ class CheckImageLabeld(MapTransform):
             shapes, affines, channels, image_key, self.spatial_dims, self.image_channels, self.affine_atol
         )
         if not problems and self.num_classes is not None and self.label_key in keys:
-            problems = label_value_problems(data[self.label_key], self.num_classes)
+            problems = label_value_problems(data[self.label_key], self.num_classes, str(self.label_key))
         if problems:
             files = {case_name(data, k) for k in keys} - {UNKNOWN_CASE}
             others = sorted(files - {case})

@@ -22,7 +22,8 @@ def _format_change(change: OpChange) -> str:
 
 class RunSummary:
     """The end of a run in a few lines: test Dice per test-time method, the ops whose probabilities changed most
-    from their start (per TRA class group, and TEA), policy updates done and skipped, and where the files are.
+    from their start (per TRA class group, and TEA; unchanged ops are not listed, and a policy that did not change
+    at all, e.g. ``--tea_mode fixed``, gets no line), policy updates done and skipped, and where the files are.
 
     Args:
         output_dir: the run's folder (the files listed are those that exist there).
@@ -57,22 +58,19 @@ class RunSummary:
         methods = {k: v for k, v in (metrics or {}).items() if isinstance(v, Mapping) and "mean_dice" in v}
         if methods:
             n = max(len(v.get("per_case", [])) for v in methods.values())
-            baseline = methods.get("none", {}).get("mean_dice")
-            dice = []
-            for name, values in methods.items():
-                text = f"{name} {_dice(values['mean_dice'])}"
-                if name != "none" and baseline is not None and _finite(values["mean_dice"], baseline):
-                    text += f" ({values['mean_dice'] - baseline:+.3f})"
-                dice.append(text)
-            out.append(f"  test Dice (mean of {n} cases; no TTA = none): " + ", ".join(dice))
+            means = {name: values["mean_dice"] for name, values in methods.items()}
+            out.append(f"  test Dice (mean of {n} cases; no TTA = none): {_dice_changes(means)}")
+            out += _reported_dice(methods)
         if self.tra_policy is not None and self.start_tra is not None:
-            for g in range(self.tra_policy.num_groups):
-                changes = policy_changes(self.tra_policy, self.start_tra, g)[: self.top_k]
-                group = _group_name(g, self.tra_policy.num_groups)
-                out.append(f"  TRA{group}, most changed: " + ", ".join(_format_change(c) for c in changes))
+            groups = [_changed(policy_changes(self.tra_policy, self.start_tra, g), self.top_k)
+                      for g in range(self.tra_policy.num_groups)]  # fmt: skip
+            if any(groups):  # a policy that did not move (not learned, every update skipped) gets no line
+                for g, changes in enumerate(groups):
+                    out.append(f"  TRA{_group_name(g, self.tra_policy.num_groups)}, {_format_changes(changes)}")
         if self.tea_policy is not None and self.start_tea is not None:
-            changes = policy_changes(self.tea_policy, self.start_tea)[: self.top_k]
-            out.append("  TEA, most changed: " + ", ".join(_format_change(c) for c in changes))
+            changes = _changed(policy_changes(self.tea_policy, self.start_tea), self.top_k)
+            if changes:  # e.g. --tea_mode fixed / heuristic: nothing learned, nothing to list
+                out.append(f"  TEA, {_format_changes(changes)}")
         for u in self.updaters:
             reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(u.skip_reasons.items()))
             total = u.updates + u.skipped
@@ -95,6 +93,45 @@ class RunSummary:
         text = "\n".join(self.lines(metrics))
         logger.info("%s", text)
         return text
+
+
+def _changed(changes: list[OpChange], top_k: int) -> list[OpChange]:
+    """The ``top_k`` largest changes, leaving out ops that did not change (``changes`` is sorted, largest first)."""
+    return [c for c in changes if c.delta != 0][:top_k]
+
+
+def _format_changes(changes: list[OpChange]) -> str:
+    if not changes:
+        return "unchanged"  # this class group did not move while another one did
+    return "most changed: " + ", ".join(_format_change(c) for c in changes)
+
+
+def _dice_changes(means: Mapping[str, float | None]) -> str:
+    """``none 0.500, learned 0.625 (+0.125)``: each method's Dice and its change from ``none`` (no TTA)."""
+    baseline = means.get("none")
+    texts = []
+    for name, value in means.items():
+        text = f"{name} {_dice(value)}"
+        if name != "none" and _finite(value, baseline):
+            text += f" ({value - baseline:+.3f})"
+        texts.append(text)
+    return ", ".join(texts)
+
+
+def _reported_dice(methods: Mapping[str, Mapping]) -> list[str]:
+    """One line per class subset the task reports (``mean_dice_reported`` of ``metrics.json``, e.g. the KiTS
+    tumour), except a subset of all foreground classes: the line above has that one."""
+    lines = []
+    first = next(iter(methods.values()))
+    num_foreground = len(first.get("mean_dice_per_class", []))
+    for subset, entry in first.get("mean_dice_reported", {}).items():
+        classes = list(entry["classes"])
+        if sorted(classes) == list(range(1, num_foreground + 1)):
+            continue
+        means = {name: v.get("mean_dice_reported", {}).get(subset, {}).get("mean_dice") for name, v in methods.items()}
+        which = f"class{'es' if len(classes) > 1 else ''} {' '.join(map(str, classes))}"
+        lines.append(f"  test Dice, {subset} ({which}): {_dice_changes(means)}")
+    return lines
 
 
 def _group_name(group: int, num_groups: int) -> str:

@@ -8,7 +8,8 @@ Input: the ``per_case.csv`` of one or more run directories (written by
   with several, ``<run dir name>/<method>`` (``tra_heuristic/none``), or ``<run dir path>/<method>`` when
   two run directories share a name.
 - **Per-case value** of a metric: the mean over the selected foreground classes of the defined values
-  (undefined = NaN, see :mod:`jcsaug.evaluation.metrics`); undefined if no class is defined.
+  (undefined = NaN, see :mod:`jcsaug.evaluation.metrics`); undefined if no class is defined. Classes: ``--classes``,
+  else with ``--task`` the task's headline subset (its first ``report_classes``: KiTS tumour), else all.
 - **Pairing**: every method must have been evaluated on the same case ids (compared exactly, against the baseline,
   or the first method without one), else :class:`ReportError` names the missing cases.
 - **Mean**: over the cases with a defined value; the number of undefined cases is reported.
@@ -66,6 +67,7 @@ class Report:
     dice_improvement: dict[str, float]
     classes: list[int] | None = None
     values: dict[str, dict[str, list[float]]] = field(default_factory=dict, repr=False)
+    classes_name: str | None = None  # what ``classes`` are, e.g. "tumour" (from a task's report_classes)
 
     def rows(self) -> list[dict]:
         """One flat dictionary per method (the CSV rows)."""
@@ -118,6 +120,8 @@ class Report:
                 cells += [_format_p(self.p_values[m][metric]) for metric in self.metrics]
             lines.append("| " + " | ".join(cells) + " |")
         classes = "all foreground classes" if self.classes is None else f"classes {self.classes}"
+        if self.classes_name:
+            classes += f" ({self.classes_name})"
         note = (
             f"{len(self.cases)} paired cases, per-case values averaged over {classes}. Ranks: 1 = best mean per "
             "metric, ties averaged."
@@ -310,16 +314,50 @@ def build_report_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-o", "--output", type=Path, help="write <OUTPUT>.md and <OUTPUT>.csv (default: Markdown to stdout)")
     p.add_argument("--metrics", nargs="+", choices=METRICS, default=list(METRICS), help="metrics of the table")
-    p.add_argument("--classes", nargs="+", type=int, help="foreground classes to average over (default: all)")
+    p.add_argument(
+        "--classes",
+        nargs="+",
+        type=int,
+        help="foreground classes to average over (default: the --task's reported classes, else all)",
+    )
+    from jcsaug.tasks import list_tasks
+
+    p.add_argument(
+        "--task",
+        choices=list_tasks(),
+        help="the runs' dataset task: average over the classes the paper reports for it (its headline "
+        "report_classes, e.g. kits19_tumor: tumour = class 2) unless --classes is given",
+    )
+
+
+def report_classes(task: str | None, classes: Sequence[int] | None) -> tuple[list[int] | None, str | None]:
+    """The classes of a report and their name: ``classes`` if given (named when they are one of the task's reported
+    subsets), else the ``task``'s headline subset (KiTS: ``([2], "tumour")``), else ``(None, None)``: all."""
+    if task is None:
+        return (None if classes is None else [int(c) for c in classes]), None
+    from jcsaug.tasks import get_task
+
+    try:
+        spec = get_task(task)
+    except KeyError as error:
+        raise ReportError(str(error.args[0])) from error
+    if classes is not None:
+        chosen = [int(c) for c in classes]
+        names = [n for n, subset in spec.report_classes.items() if sorted(subset) == sorted(chosen)]
+        return chosen, (names[0] if names else None)
+    headline = spec.headline_classes
+    return (None, None) if headline is None else ([int(c) for c in headline[1]], headline[0])
 
 
 def run_report(args: argparse.Namespace) -> int:
     """Build the report; print it or write ``<output>.md``/``<output>.csv``. Exit code 2 on bad input."""
     try:
-        report = build_report(args.run_dirs, args.baseline, metrics=args.metrics, classes=args.classes)
+        classes, name = report_classes(getattr(args, "task", None), args.classes)
+        report = build_report(args.run_dirs, args.baseline, metrics=args.metrics, classes=classes)
     except ReportError as error:
         print(f"jcsaug report: error: {error}", file=sys.stderr)
         return 2
+    report.classes_name = name
     if args.output is None:
         print(report.to_markdown(), end="")
         return 0

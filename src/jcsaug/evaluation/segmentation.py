@@ -1,10 +1,10 @@
 """Evaluate a segmentation network on whole cases with one or more (TTA) inferers.
 
-Writes ``metrics.json`` (per method: mean Dice, per-metric summaries, per-case values, failed cases) and a
-per-case, per-class ``per_case.csv`` (the input of ``jcsaug report``). A case that cannot be loaded or segmented
-is recorded with its error and the others are evaluated (the error comes after the files are written). Metric
-conventions for empty masks are those of :mod:`jcsaug.evaluation.metrics`; undefined values are NaN in memory and
-in the CSV, ``null`` in JSON.
+Writes ``metrics.json`` (per method: mean Dice, over all foreground classes and over the class subsets a task
+reports, per-metric summaries, per-case values, failed cases) and a per-case, per-class ``per_case.csv`` (the input
+of ``jcsaug report``). A case that cannot be loaded or segmented is recorded with its error and the others are
+evaluated (the error comes after the files are written). Metric conventions for empty masks are those of
+:mod:`jcsaug.evaluation.metrics`; undefined values are NaN in memory and in the CSV, ``null`` in JSON.
 """
 
 from __future__ import annotations
@@ -162,6 +162,7 @@ def evaluate_cases(
     csv_path: str | Path | None = None,
     extra: Mapping | None = None,
     strict: bool = True,
+    report_classes: Mapping[str, Sequence[int]] | None = None,
 ) -> dict:
     """Dice, sensitivity, precision and HD95 of every case under every inferer; returns the metrics dict.
 
@@ -182,17 +183,23 @@ def evaluate_cases(
         strict: after writing the files, raise a ``ValueError`` naming every case that failed (to load or to be
             segmented); ``False``: only warn. Either way the failed cases are in ``failed_cases`` and the others
             are evaluated.
+        report_classes: named foreground class subsets (a task's :attr:`~jcsaug.tasks.TaskSpec.report_classes`,
+            e.g. ``{"tumour": [2]}`` for KiTS) whose mean Dice is given beside the all-class one, as
+            ``"mean_dice_reported"``; computed as ``jcsaug report --classes`` does (per case over the subset, then
+            over the cases), so the two agree.
 
     Returns:
         ``{method: {"mean_dice", "mean_dice_per_class", "summary": {metric: {"mean", "per_class",
         "n_undefined", "n_undefined_per_class"}}, "empty_cases": {status: [count per class]},
         "per_case": [{"case", "dice", "mean_dice", "sensitivity", "precision", "hd95", "status",
-        "spacing"}], "failed_cases": [{"case", "error"}]}}`` — per-case metric values are lists over the
+        "spacing"}], "failed_cases": [{"case", "error"}]}}`` (with ``report_classes`` also
+        ``"mean_dice_reported": {name: {"classes", "mean_dice"}}``) — per-case metric values are lists over the
         foreground classes; means are over the cases that did not fail.
     """
     keep_largest_component = as_flag(keep_largest_component)  # '--keep_largest_component false' is a string
     if not cases:
         raise ValueError("no cases to evaluate")
+    subsets = _report_subsets(report_classes, num_classes)  # checked before hours of inference, not after
     device = torch.device(device)
     network.to(device).eval()  # a network built on the CPU (a bundle's network_def) follows its inputs to the GPU
     per_method: dict[str, list[dict]] = {name: [] for name in inferers}
@@ -227,6 +234,13 @@ def evaluate_cases(
         }
         for name, rows in per_method.items()
     }
+    if subsets:
+        for name, rows in per_method.items():
+            metrics[name]["mean_dice_reported"] = {
+                subset: {"classes": classes, "mean_dice": _mean([_mean([r["dice"][c - 1] for c in classes])
+                                                                 for r in rows])}
+                for subset, classes in subsets.items()
+            }  # fmt: skip
     if output_path is not None:
         clash = sorted(set(extra or {}) & set(metrics))
         if clash:
@@ -241,6 +255,15 @@ def evaluate_cases(
         where = f" (the other cases are in {output_path})" if output_path is not None else ""
         raise ValueError(f"evaluation failed for {len(failed)} of {len(cases)} cases{where}:\n  {listed}")
     return metrics
+
+
+def _report_subsets(report_classes: Mapping[str, Sequence[int]] | None, num_classes: int) -> dict[str, list[int]]:
+    """``report_classes`` as lists of ints, refused unless every class is a foreground class ``1..num_classes-1``."""
+    subsets = {str(name): [int(c) for c in classes] for name, classes in (report_classes or {}).items()}
+    for name, classes in subsets.items():
+        if not classes or any(not 1 <= c < num_classes for c in classes):
+            raise ValueError(f"report_classes[{name!r}] = {classes}: not foreground classes 1..{num_classes - 1}")
+    return subsets
 
 
 def _evaluate_case(

@@ -73,6 +73,9 @@ def _as_3d(array: np.ndarray, frame: int | None, case_id: str, what: str, path: 
 def _classes(label: np.ndarray, spec: TaskSpec, case_id: str, path: Path) -> np.ndarray:
     """Raw label values -> class indices (uint8); non-integer or unknown values are errors naming the case."""
     if not np.issubdtype(label.dtype, np.integer):
+        bad = int((~np.isfinite(label)).sum())
+        if bad:  # before the int64 cast, which turns NaN into -9223372036854775808
+            raise PrepareError(f"case {case_id}: label {path} has {bad} NaN/Inf voxels")
         rounded = np.rint(label)
         off = label[np.abs(label - rounded) > 1e-3]
         if off.size:
@@ -90,6 +93,22 @@ def _classes(label: np.ndarray, spec: TaskSpec, case_id: str, path: Path) -> np.
     for v in values:
         out[label == v] = spec.class_of(int(v))
     return out
+
+
+def _integer_image(values: np.ndarray, source: np.dtype) -> np.ndarray:
+    """Rounded resampled values of an integer image in the smallest of int16 / the source's integer dtype that holds
+    them all, else float32: MR stored as uint16 may exceed 32767, and clipping it would lose values silently."""
+    if values.size == 0:
+        return values.astype(np.int16)
+    lo, hi = float(values.min()), float(values.max())
+    # 64-bit integers: int32 at most (NIfTI readers handle int64 poorly; beyond int32 float32 is no worse, as the
+    # values were resampled in float32)
+    wider = np.dtype(source) if np.dtype(source).itemsize <= 4 else np.dtype(np.int32)
+    for dtype in (np.dtype(np.int16), wider):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return values.astype(dtype)
+    return values.astype(np.float32)
 
 
 def _save_nifti(array: np.ndarray, affine: np.ndarray, path: Path) -> None:
@@ -158,8 +177,8 @@ def prepare_case(spec: TaskSpec, case: RawCase, out_dir: Path, seed: int = 0) ->
     affine = image_out.affine.numpy()
     image_np = image_out[0].numpy()
     label_np = label_out[0].numpy().round().astype(np.uint8)
-    if integer_image:  # CT in HU: keep integers on disk (half the size)
-        image_np = np.clip(np.rint(image_np), -32768, 32767).astype(np.int16)
+    if integer_image:  # keep integers on disk (CT in HU: int16, half the size of float32)
+        image_np = _integer_image(np.rint(image_np), image.dtype)
 
     for path in (image_path, label_path, record_path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -222,8 +241,11 @@ def _check_settings(out_dir: Path, settings: dict) -> None:
 
 
 def _subset(cases: list[RawCase], max_cases: int | None, seed: int) -> list[RawCase]:
-    if not max_cases:
+    if max_cases is None:
         return cases
+    if isinstance(max_cases, bool) or not isinstance(max_cases, (int, np.integer)) or max_cases <= 0:
+        # a negative slice end would silently drop subjects (-1: all but one), and 0 would mean "all" by accident
+        raise PrepareError(f"max_cases must be a positive number of subjects (or None: all), not {max_cases!r}")
     groups = sorted({c.group for c in cases})
     keep = set(np.random.default_rng(seed + 2).permutation(groups)[:max_cases].tolist())
     return [c for c in cases if c.group in keep]
@@ -265,7 +287,8 @@ def prepare_task(
         seed: seeds the random splits (and the CT intensity samples).
         num_workers: processes for the cases (0: in this process).
         skip_unlabelled: leave out images without a label file instead of stopping with an error.
-        max_cases: use a seeded subset of this many subjects (e.g. 220 for the paper's ATLAS size).
+        max_cases: use a seeded subset of this many subjects (e.g. 220 for the paper's ATLAS size); ``None``: all;
+            anything but a positive integer is a :class:`PrepareError`.
         progress: show a progress bar.
     """
     try:

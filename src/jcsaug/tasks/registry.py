@@ -134,7 +134,8 @@ for _spec in (
         find_cases=layouts.find_btcv,
         layout="Abdomen/RawData/Training/img/img00NN.nii.gz + Training/label/label00NN.nii.gz",
         assign_splits=_random_rule(20, 4, 6),
-        report_classes={"rare organs": (4, 5, 8, 9, 10, 11, 12, 13)},
+        # the paper: "Organ" (all 13) and "Organ_r" (GB, E, AO, IVC, V, PA, RA, LA)
+        report_classes={"organs": tuple(range(1, 14)), "rare organs": (4, 5, 8, 9, 10, 11, 12, 13)},
         source="https://www.synapse.org/#!Synapse:syn3193805 (Synapse account, join the challenge)",
         paper_settings={"deepmedic": {1.0: ("ce", 2e-3)}, "unet3d": {1.0: ("dice", 5e-4)}},
     ),
@@ -179,7 +180,7 @@ for _spec in (
             {"validation": 1, "test": 44},
             random_target=True,  # the paper: one LGE case, at random
         ),
-        report_classes={"LV": (1,), "MYO": (2,), "RV": (3,)},
+        report_classes={"AVG": (1, 2, 3), "LV": (1,), "MYO": (2,), "RV": (3,)},  # the paper's columns
         label_map={0: 0, 500: 1, 200: 2, 600: 3},
         source="https://zmiclab.github.io/zxh/0/mscmrseg19/ (registration)",
         paper_settings={"unet3d": {1.0: ("ce", 5e-4)}},
@@ -196,7 +197,7 @@ for _spec in (
         find_cases=layouts.find_mnms,
         layout="Training/Labeled/<CODE>/<CODE>_sa.nii.gz + _sa_gt.nii.gz, Validation/, Testing/ + information CSV",
         assign_splits=_mnms_rule(),
-        report_classes={"LV": (1,), "MYO": (2,), "RV": (3,)},
+        report_classes={"AVG": (1, 2, 3), "LV": (1,), "MYO": (2,), "RV": (3,)},  # the paper's columns
         source="https://www.ub.edu/mnms/ (registration)",
         paper_settings={"unet3d": {1.0: ("dice", 5e-4)}},
         patch_sizes=CARDIAC_PATCHES,

@@ -61,7 +61,9 @@ class TaskSpec:
         label_map: raw label value -> class; values outside it are errors. ``None``: values must be classes.
         find_cases: lists the raw cases (see :data:`CaseFinder`); ``layout`` describes what it expects.
         assign_splits: the paper's split rule (see :data:`SplitRule`).
-        report_classes: named class subsets the paper reports (``{"tumour": (2,)}``).
+        report_classes: named foreground class subsets the paper reports (``{"tumour": (2,)}``), its headline
+            first: ``metrics.json`` and the run summary give the mean Dice over each, and ``jcsaug report
+            --task`` averages over the first (see :attr:`headline_classes`).
         foreground_splits: splits whose cases must contain foreground (patch sampling and validation need it).
         copy_image_geometry_to_label: a label whose affine disagrees with its image's (same shape) gets the
             image's (a known quirk of the prostate data) instead of an error.
@@ -99,10 +101,20 @@ class TaskSpec:
     def __post_init__(self) -> None:
         if any(s <= 0 for s in self.spacing) and self.nominal_spacing is None:
             raise ValueError(f"task {self.name!r} keeps an axis' spacing: give nominal_spacing to plan networks with")
+        for subset, classes in self.report_classes.items():
+            if not classes or not set(classes) <= set(self.labels) - {0}:
+                raise ValueError(f"task {self.name!r}: report_classes[{subset!r}] = {classes} are not foreground "
+                                 f"classes of {dict(self.labels)}")  # fmt: skip
 
     @property
     def num_classes(self) -> int:
         return len(self.labels)
+
+    @property
+    def headline_classes(self) -> tuple[str, tuple[int, ...]] | None:
+        """The paper's headline class subset ``(name, classes)``: the first of :attr:`report_classes` (``None``:
+        the task has none, i.e. all foreground classes)."""
+        return next(iter(self.report_classes.items()), None)
 
     @property
     def planning_spacing(self) -> tuple[float, float, float]:
