@@ -70,6 +70,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "bundles" / "synthetic_lesion" / "configs"
 
+
+def bundle_default(key: str):
+    """The synthetic bundle's own default of ``key`` (read from its ``train.yaml``)."""
+    import yaml
+
+    return yaml.safe_load((CONFIGS / "train.yaml").read_text())[key]
+
+
 #: mode name -> bundle overrides (``oracle`` is filled in from the dataset's metadata)
 MODES: dict[str, dict[str, str]] = {
     "heuristic+mirror": {"tra_mode": "heuristic", "tea_mode": "heuristic"},
@@ -189,13 +197,37 @@ def prepare_dataset(out: Path, shift: str) -> tuple[Path, dict]:
     return data, json.loads(Path(json_path).read_text())["domain_shift"]
 
 
+def run_settings(mode: str, seed: int, data: Path, overrides: dict, device: str) -> dict:
+    """What decides a run's results (written beside it as ``bench_settings.json``; ``--reuse`` compares them)."""
+    return {"mode": mode, "seed": seed, "dataset": data.name, "device": device,
+            "overrides": {k: str(v) for k, v in sorted(overrides.items())}}  # fmt: skip
+
+
+def reusable(run_dir: Path, settings: dict) -> bool:
+    """Whether ``run_dir`` holds a finished run made with ``settings``. A run from before the settings were written
+    down is reused with a warning (its settings cannot be checked); one made with other settings is not."""
+    if not (run_dir / "metrics.json").is_file():
+        return False
+    path = run_dir / "bench_settings.json"
+    if not path.is_file():
+        print(f"  warning: {run_dir} has no bench_settings.json: reused without checking its settings", flush=True)
+        return True
+    stored = json.loads(path.read_text())
+    if stored != settings:
+        changed = sorted(k for k in {**stored, **settings} if stored.get(k) != settings.get(k))
+        print(f"  {run_dir}: made with other settings ({', '.join(changed)}): run again", flush=True)
+        return False
+    return True
+
+
 def run_one(
     mode: str, seed: int, data: Path, run_dir: Path, overrides: dict, device: str, reuse: bool, threads: int
 ) -> dict:
-    """One bundle run (skipped when ``reuse`` and its metrics exist, else replacing whatever ``run_dir`` holds) on
-    ``threads`` CPU threads; returns its parsed results."""
+    """One bundle run (skipped when ``reuse`` and ``run_dir`` holds a finished run with the same settings, else
+    replacing whatever ``run_dir`` holds) on ``threads`` CPU threads; returns its parsed results."""
     metrics = run_dir / "metrics.json"
-    if not (reuse and metrics.is_file()):
+    settings = run_settings(mode, seed, data, overrides, device)
+    if not (reuse and reusable(run_dir, settings)):
         args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(CONFIGS / "train.yaml"),
                 "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf"),
                 "--dataset_dir", str(data), "--output_dir", str(run_dir), "--seed", str(seed),
@@ -212,6 +244,7 @@ def run_one(
         if result.returncode != 0:
             raise RuntimeError(f"{mode} seed {seed} failed (exit {result.returncode}); see {run_dir / 'bench.log'}")
         (run_dir / "bench_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
+        (run_dir / "bench_settings.json").write_text(json.dumps(settings, indent=1) + "\n")
     seconds = float((run_dir / "bench_seconds.txt").read_text()) if (run_dir / "bench_seconds.txt").is_file() else 0.0
     m = json.loads(metrics.read_text())
     tta = [k for k in m if k != "none" and isinstance(m[k], dict) and "mean_dice" in m[k]]
@@ -335,7 +368,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, or auto (the bundle's own choice)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time")
     parser.add_argument("--set", nargs="*", default=[], metavar="ID=VALUE", help="bundle overrides for every run")
-    parser.add_argument("--tea-z", type=int, default=8, help="top TEA ops used at test time (the bundle's tea_z)")
+    parser.add_argument("--tea-z", type=int, default=None,
+                        help="top TEA ops used at test time, passed to the bundle as tea_z and used by the rank "
+                        "targets (default: --set tea_z=..., else the bundle's tea_z)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_quality")
     parser.add_argument("--reuse", action="store_true", help="keep runs whose metrics.json exists")
     parser.add_argument(
@@ -350,6 +385,11 @@ def main() -> None:
     data, shift = prepare_dataset(args.out, args.shift)
     undone_by = shift["undone_by"]
     common = dict(item.split("=", 1) for item in args.set)
+    if args.tea_z is not None and "tea_z" in common and int(common["tea_z"]) != args.tea_z:
+        parser.error(f"--tea-z {args.tea_z} and --set tea_z={common['tea_z']} disagree")
+    tea_z = args.tea_z if args.tea_z is not None else int(common.get("tea_z", bundle_default("tea_z")))
+    if args.tea_z is not None:
+        common["tea_z"] = str(args.tea_z)  # the runs test with the z the rank targets are judged by
     modes = [BASELINE] + [m for m in args.modes if m != BASELINE]
     jobs = []
     for mode in modes:
@@ -376,7 +416,8 @@ def main() -> None:
             print(f"  {key[0]} seed {key[1]}: Dice none {results[key]['none']:.1f} / TTA {results[key]['tta']:.1f}"
                   f" ({results[key]['seconds']:.0f} s)", flush=True)  # fmt: skip
 
-    lines = [f"## Learning quality, shift `{args.shift}`, seeds {args.seeds}, device {args.device}", "",
+    settings = f", settings {' '.join(args.set)}" if args.set else ""
+    lines = [f"## Learning quality, shift `{args.shift}`, seeds {args.seeds}, device {args.device}{settings}", "",
              "| mode | " + " | ".join(f"seed {s} none / TTA" for s in args.seeds)
              + " | mean none | mean TTA | Δ TTA vs baseline | share of oracle gain | s / run |",
              "|---" * (len(args.seeds) + 6) + "|"]  # fmt: skip
@@ -397,7 +438,7 @@ def main() -> None:
         lines.append(f"| {mode} | {cells} | {means} | {mean_sd(delta)} | {share} | {seconds:.0f} |")
     lines += ["", "Final probabilities of the TRA ops that undo the shift (per class group, per seed), and the ranks "
               "of the TEA ops that undo it (best of the equivalent ops, per seed):", ""]  # fmt: skip
-    undoing_lines, checks = undoing_op_report(modes, results, args.seeds, undone_by, args.tea_z, tra_gain, oracle_gain)
+    undoing_lines, checks = undoing_op_report(modes, results, args.seeds, undone_by, tea_z, tra_gain, oracle_gain)
     lines += undoing_lines
     lines += ["", "Targets:", ""]
     if "class-specific+joint" in summary:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -202,3 +204,60 @@ def test_ranks_are_reported_for_every_mode_that_learns_its_tea_and_probabilities
     # the nnU-Net preset's rot90 (0.025) misses the TRA target; its mirror (0.5) meets it
     assert not by_text["class-specific+joint: TRA rotate_frontal/rot90 >= 0.3 in every group (mean over seeds)"]
     assert by_text["class-specific+joint: TRA mirror_sagittal/flip >= 0.3 in every group (mean over seeds)"]
+
+
+def test_reuse_keeps_only_runs_made_with_the_same_settings(bench, tmp_path, monkeypatch):
+    """``--reuse`` must not return a run made with other overrides or on another device as if it were this one."""
+    launched = []
+
+    def fake_bundle(args, **kwargs):  # writes what a finished run leaves
+        launched.append(args)
+        run_dir = Path(args[args.index("--output_dir") + 1])
+        (run_dir / "metrics.json").write_text(json.dumps({"none": {"mean_dice": 0.5}}))
+        (run_dir / "policies.json").write_text("{}")
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_bundle)
+    data, run_dir = tmp_path / "data_default", tmp_path / "run"
+    first = {"tra_mode": "heuristic", "max_epochs": "20"}
+    bench.run_one("heuristic+mirror", 0, data, run_dir, first, "cpu", True, 1)
+    bench.run_one("heuristic+mirror", 0, data, run_dir, first, "cpu", True, 1)
+    assert len(launched) == 1  # same settings: reused
+    bench.run_one("heuristic+mirror", 0, data, run_dir, {**first, "max_epochs": "80"}, "cpu", True, 1)
+    bench.run_one("heuristic+mirror", 0, data, run_dir, {**first, "max_epochs": "80"}, "cuda", True, 1)
+    assert len(launched) == 3  # other overrides, another device: run again
+    (run_dir / "bench_settings.json").unlink()  # a run from before the settings were written down
+    bench.run_one("heuristic+mirror", 0, data, run_dir, first, "cpu", True, 1)
+    assert len(launched) == 3
+
+
+def test_tea_z_reaches_the_runs_and_the_rank_targets(bench, tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run_one(mode, seed, data, run_dir, overrides, *rest):
+        seen[mode] = overrides
+        policies = policies_to_dict(make_tra_policy("nnunet", 2), make_tea_policy())
+        return {"none": 50.0, "tta": 55.0, "policies": policies, "seconds": 1.0}
+
+    def fake_report(modes, results, seeds, undone_by, tea_z, *rest):
+        seen["targets_z"] = tea_z
+        return [], []
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    monkeypatch.setattr(bench, "undoing_op_report", fake_report)
+    no_shift = {"undone_by": {"tra": [], "tea": []}}
+    monkeypatch.setattr(bench, "prepare_dataset", lambda out, shift: (out / "data", no_shift))
+    argv = ["bench", "--modes", "heuristic+mirror", "--seeds", "0", "--out", str(tmp_path)]
+    monkeypatch.setattr(bench.sys, "argv", [*argv, "--tea-z", "4"])
+    bench.main()
+    assert seen["heuristic+mirror"]["tea_z"] == "4" and seen["targets_z"] == 4
+    seen.clear()
+    monkeypatch.setattr(bench.sys, "argv", [*argv, "--set", "tea_z=2"])
+    bench.main()
+    assert seen["heuristic+mirror"]["tea_z"] == "2" and seen["targets_z"] == 2
+    monkeypatch.setattr(bench.sys, "argv", argv)
+    bench.main()
+    assert "tea_z" not in seen["heuristic+mirror"] and seen["targets_z"] == 8  # the bundle's own default
+    monkeypatch.setattr(bench.sys, "argv", [*argv, "--tea-z", "4", "--set", "tea_z=2"])
+    with pytest.raises(SystemExit):
+        bench.main()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -401,6 +402,13 @@ def test_dataset_metadata_names_the_ops_that_undo_each_shift(tmp_path):
                                   progress=False)  # fmt: skip
     meta = json.loads(path.read_text())["domain_shift"]
     assert meta["name"] == "rotate-longitudinal" and meta["undone_by"] == other
+    # the folder is returned as it is; asked for another shift (the default included) it warns, asked for any not
+    for asked in ("gamma", "default"):
+        with pytest.warns(UserWarning, match=f"'target_shift': '{asked}'"):
+            make_synthetic_dataset(tmp_path / "d", 1, 1, 1, shape=(24, 24, 24), target_shift=asked, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make_synthetic_dataset(tmp_path / "d", 1, 1, 1, shape=(24, 24, 24), target_shift=None) == path
     _, label = synthesize_case(np.random.default_rng(0), (32, 32, 32), TARGET_SHIFTS["rotate-longitudinal"])
     from scipy import ndimage
 

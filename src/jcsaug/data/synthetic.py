@@ -387,7 +387,7 @@ def make_synthetic_dataset(
     seed: int = 0,
     overwrite: bool = False,
     progress: bool = True,
-    target_shift: str = "default",
+    target_shift: str | None = "default",
 ) -> Path:
     """Write the synthetic lesion dataset (layout and domain shift in the module docstring).
 
@@ -401,7 +401,8 @@ def make_synthetic_dataset(
         progress: show a tqdm progress bar.
         target_shift: the validation/test domain, a name of :data:`TARGET_SHIFTS` (``"default"`` is the one
             in the module docstring). ``dataset.json``'s ``domain_shift`` describes it and names the TRA and TEA
-            ops that undo it (:func:`shift_undoing_ops`).
+            ops that undo it (:func:`shift_undoing_ops`). ``None``: an existing dataset whatever its shift (e.g. a
+            benchmark's), else the default one.
 
     Returns:
         The path of ``dataset.json``. If it already exists and ``overwrite`` is False it is returned
@@ -425,6 +426,8 @@ def make_synthetic_dataset(
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"out_dir {str(out)!r} exists and is not a directory")
     json_path = out / "dataset.json"
+    any_shift = target_shift is None
+    target_shift = "default" if any_shift else target_shift
     if target_shift not in TARGET_SHIFTS:
         raise ValueError(f"unknown target_shift {target_shift!r}; choose one of {sorted(TARGET_SHIFTS)}")
     target = TARGET_SHIFTS[target_shift]
@@ -433,9 +436,15 @@ def make_synthetic_dataset(
         expected["target_shift"] = target_shift
 
     if json_path.is_file() and not overwrite:
-        if not all(_read_datalist(json_path).get(k) == v for k, v in expected.items()):
+        found = _read_datalist(json_path)
+        # a folder without the key holds the default shift; asked for the default, another one is a mismatch too
+        matches = all(found.get(k) == v for k, v in expected.items() if k != "target_shift") and (
+            any_shift or found.get("target_shift", "default") == target_shift
+        )
+        if not matches:
             warnings.warn(
-                f"{json_path} exists but was not made with {expected}; returning it unchanged "
+                f"{json_path} exists but was not made with "
+                f"{expected if any_shift else {**expected, 'target_shift': target_shift}}; returning it unchanged "
                 "(pass overwrite=True to regenerate)",
                 stacklevel=2,
             )
