@@ -314,3 +314,70 @@ def test_tea_poly_power_reaches_the_tea_updater_only(monkeypatch, tmp_path, data
     updaters = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser.get_parsed_content("policy_updaters")
     assert updaters.tea.poly_power == (0.0 if tea_poly_power is None else tea_poly_power)
     assert updaters.tra.poly_power == 0.9
+
+
+# ----------------------------------------------------------------------------------------------- every setting checked
+def _checked_ids(config: dict) -> set[str]:
+    """The ids a bundle's settings checks pass to ``check_settings`` (each as ``id=@id``)."""
+    import re
+
+    checks = " ".join(v for k, v in config.items() if k.startswith("check_") and "check_settings(" in str(v))
+    pairs = re.findall(r"(\w+)=@(\w+)", checks)
+    assert all(key == ref for key, ref in pairs), pairs  # each id checked under its own name
+    return {key for key, _ in pairs}
+
+
+@pytest.mark.parametrize("bundle", ["synthetic_lesion", "kits19_tumor"])  # the six task bundles share one train.yaml
+def test_every_setting_with_a_rule_is_checked_before_the_run(bundle):
+    """Preflight had rules for tra_update_every, val_batch_size, the learning rates, ... that no bundle passed: a
+    bad value failed later inside a config expression, or not at all."""
+    from jcsaug.engine.preflight import _validators
+
+    config = ConfigParser.load_config_file(BUNDLES / bundle / "configs" / "train.yaml")
+    missing = (set(_validators()) & set(config)) - _checked_ids(config)
+    assert not missing, f"{bundle}: settings with a preflight rule that check_settings is not given: {sorted(missing)}"
+
+
+@pytest.mark.parametrize(
+    ("bundle", "overrides", "expected"),
+    [
+        ("synthetic_lesion", {"tra_update_every": 0}, "--tra_update_every 0: must be an integer >= 1"),
+        ("synthetic_lesion", {"stop_after_epochs": -1}, "--stop_after_epochs -1: must be an integer >= 0"),
+        ("synthetic_lesion", {"val_batch_size": 0}, "--val_batch_size 0: must be an integer >= 1"),
+        ("synthetic_lesion", {"tea_poly_power": -1}, "--tea_poly_power -1: must be a finite number >= 0"),
+        ("synthetic_lesion", {"tra_logit_budget": "null"}, "--tra_logit_budget 'null': must be a finite number > 0, "
+                                                           "or None"),
+        ("synthetic_lesion", {"tra_lr": 0, "tra_logit_budget": None}, "--tra_lr 0: tra_mode 'class-specific' learns "
+                                                                      "the TRA policy, but a learning rate of 0"),
+        ("synthetic_lesion", {"tea_patch_size": [0, 8, 8]}, "--tea_patch_size [0, 8, 8]: must be a list of positive"),
+        ("kits19_tumor", {"tea_lr": 0}, "--tea_lr 0: tea_mode 'joint' learns the TEA policy, but a learning rate of 0"),
+        ("kits19_tumor", {"val_average": 2}, "--val_average 2: must be a number in (0, 1]"),
+        ("kits19_tumor", {"tra_lookahead": 0}, "--tra_lookahead 0: must be a finite number >= 1"),
+        ("kits19_tumor", {"cache_rate": 1.5}, "--cache_rate 1.5: must be a number in [0, 1]"),
+        ("kits19_tumor", {"num_tea_copies": 0, "seed": -1}, "--seed -1: must be an integer >= 0\n"
+                                                            "  --num_tea_copies 0: must be an integer >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_values_of_any_setting_fail_first_naming_the_id(monkeypatch, tmp_path, dataset, bundle, overrides,
+                                                            expected):  # fmt: skip
+    data = dataset if bundle == "synthetic_lesion" else tmp_path / "not_prepared"  # settings come before data
+    message = _refused(monkeypatch, tmp_path, data, bundle, **overrides)
+    assert message.startswith(f"error: bad settings:\n  {expected}"), message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tea_patch_size_the_network_cannot_take_is_named_as_such(monkeypatch, tmp_path, dataset):
+    assert _refused(monkeypatch, tmp_path, dataset, tea_patch_size=[18, 18, 18]).startswith(
+        "error: --tea_patch_size [18, 18, 18] does not fit the UNet"
+    )  # was reported as --patch_size
+
+
+def test_the_synthetic_bundle_reports_its_report_classes(monkeypatch, tmp_path, dataset):
+    """``report_classes`` reaches the training run's evaluation, as in the task bundles and evaluate.yaml."""
+    import jcsaug.evaluation
+
+    seen = {}
+    monkeypatch.setattr(jcsaug.evaluation, "evaluate_cases", lambda *args, **kwargs: seen.update(kwargs))
+    parser = _workflow(monkeypatch, tmp_path, dataset, report_classes={"lesion": [1]}).parser
+    parser.get_parsed_content("evaluate")
+    assert seen["report_classes"] == {"lesion": [1]}

@@ -1,6 +1,8 @@
 """CategoricalPolicy, presets and factories."""
 
+import json
 import multiprocessing as mp
+import re
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from jcsaug.policy import (
     make_tra_policy,
     series_probs,
 )
+from jcsaug.policy.io import load_policies, save_policies
 from jcsaug.policy.presets import NNUNET_Q, TEA_FLIP_IDS
 
 # the mutation run's test set (tests/README.md): all but the worker-process test at the end (slow, not maths)
@@ -156,6 +159,63 @@ def test_state_dict_is_tensors_only_and_round_trips(tmp_path):
     other.load_state_dict(torch.load(path, weights_only=True))
     assert torch.equal(other.logits, policy.logits)
     assert other.logits.is_shared()
+
+
+def _saved_policies(tmp_path):
+    torch.manual_seed(0)
+    tra, tea = make_tra_policy("nnunet", num_groups=3), make_tea_policy("nnunet")
+    with torch.no_grad():
+        tra.logits.add_(torch.randn_like(tra.logits))
+        tea.logits.add_(torch.randn_like(tea.logits))
+    return tra, tea, save_policies(tmp_path / "policies.json", tra, tea)
+
+
+def test_policies_json_loads_as_written_and_without_its_optional_indices(tmp_path):
+    """What jcsaug writes loads exactly; a hand-written file may leave out version, num_groups, group and id."""
+    tra, tea, path = _saved_policies(tmp_path)
+    loaded = load_policies(path)
+    assert torch.equal(loaded[0].logits, tra.logits) and torch.equal(loaded[1].logits, tea.logits)
+    doc = json.loads(path.read_text())
+    del doc["version"], doc["tra"]["num_groups"]
+    for group in doc["tra"]["groups"]:
+        del group["group"]
+    for op in doc["tea"]["ops"]:
+        del op["id"]
+    path.write_text(json.dumps(doc))
+    loaded = load_policies(path)
+    assert torch.equal(loaded[0].logits, tra.logits) and torch.equal(loaded[1].logits, tea.logits)
+
+
+def _swap_groups(doc):
+    groups = doc["tra"]["groups"]
+    groups[0]["group"], groups[2]["group"] = 2, 0  # indices swapped: the rows would load into the wrong class groups
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda d: d.update(version=99), r"'version' is 99; this jcsaug reads version\(s\) 1 of the policies format"),
+        (lambda d: d.update(version="1"), r"'version' is '1'; this jcsaug reads"),
+        (lambda d: d.update(version=True), r"'version' is True; this jcsaug reads"),
+        (lambda d: d["tra"].update(num_groups=5), r"'tra': 'num_groups' is 5 but 3 groups are listed"),
+        (_swap_groups, r"TRA group 0: 'group' is 2 but the entry is number 0 \(entries are in order\)"),
+        (lambda d: [op.update(id=83 - i) for i, op in enumerate(d["tea"]["ops"])],
+         r"TEA policy: op 'identity': 'id' is 83 but the entry is number 0"),
+        (lambda d: d.update({"tra ": d.pop("tra")}), r"unknown entry 'tra ' \(did you mean 'tra'\?\); the entries are"),
+        (lambda d: d["tra"].update(num_group=3), r"'tra': unknown entry 'num_group' \(did you mean 'num_groups'\?\)"),
+        (lambda d: d["tea"]["ops"][4].update(logits=1.0), r"TEA policy: op 4: unknown entry 'logits' \(did you mean"),
+    ],
+)  # fmt: skip
+def test_malformed_policies_json_is_refused_naming_the_file_and_the_entry(tmp_path, edit, expected):
+    """A wrong version, a num_groups other than the groups listed, group/op indices out of order and unknown
+    (misspelled) entries were loaded silently, some into the wrong class group or as no policy at all."""
+    path = _saved_policies(tmp_path)[2]
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {expected}") as err:
+        load_policies(path)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

@@ -66,6 +66,108 @@ def test_good_settings_pass():
     check_settings(argv=[], network="unet3d", patch_size=[32, 32, 16])
 
 
+_BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is used; None on the command line)"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [
+        ("tra_update_every", 0, "must be an integer >= 1"),
+        ("tea_update_every", 1.5, "must be an integer >= 1"),
+        ("num_tea_copies", 0, "must be an integer >= 1"),
+        ("val_batch_size", 0, "must be an integer >= 1"),
+        ("samples_per_case", -2, "must be an integer >= 1"),
+        ("cases_per_batch", 0, "must be an integer >= 1"),
+        ("val_batches", 0, "must be an integer >= 1"),
+        ("tea_patches", 0, "must be an integer >= 1"),
+        ("seed", -1, "must be an integer >= 0"),
+        ("stop_after_epochs", -1, "must be an integer >= 0"),
+        ("tra_counterfactuals", -1, "must be an integer >= 0"),
+        ("tra_lr", -0.1, "must be a finite number >= 0"),
+        ("tea_lr", float("inf"), "must be a finite number >= 0"),
+        ("posthoc_lr", "fast", "must be a finite number >= 0"),
+        ("tea_poly_power", -1, "must be a finite number >= 0"),
+        ("tra_lookahead", 0.5, "must be a finite number >= 1"),
+        ("val_average", 0, "must be a number in (0, 1]"),
+        ("val_average", 1.5, "must be a number in (0, 1]"),
+        ("cache_rate", 2, "must be a number in [0, 1]"),
+        ("tra_logit_budget", 0, _BUDGET),
+        ("tea_logit_budget", "null", _BUDGET),  # fire reads the word null as a string (None is None)
+        ("tra_estimator", "gumble", "must be one of gumbel, paired"),
+        ("tea_estimator", "pair", "must be one of gumbel, paired"),
+        ("train_loss", "focal", "must be one of ce, ce+dice, dice"),
+        ("val_loss", "focal", "must be one of batch-dice, ce, ce+dice, dice"),
+        ("tea_patch_size", [48, 0, 48], "must be a list of positive integers, one per spatial axis, e.g. [32, 32, 32], "
+                                        "or None"),
+    ],
+)  # fmt: skip
+def test_every_setting_the_updaters_check_is_checked_first_naming_the_id_and_value(key, value, reason):
+    """The ranges the updaters and modes accept (engine/base.py, tra_updater.py, tea_updater.py, modes.py)."""
+    with pytest.raises(PreflightError) as err:
+        check_settings(argv=[], **{key: value})
+    assert str(err.value) == f"bad settings:\n  --{key} {value!r}: {reason}"
+
+
+def test_settings_the_updaters_accept_pass():
+    check_settings(argv=[], tra_update_every=10, seed=0, stop_after_epochs=0, tra_counterfactuals=0, tra_lr=0.0,
+                   tea_lr=5e-5, posthoc_lr=5e-3, tea_poly_power=0, tra_lookahead=1.5, val_average=1, cache_rate=0.0,
+                   tra_logit_budget=None, tea_logit_budget=6, tra_estimator="paired", tea_estimator="gumbel",
+                   train_loss="CE + DSC", val_loss="batch-dice", tea_patch_size=None, tra_mode="heuristic")  # fmt: skip
+    check_settings(argv=[], val_loss="DSC", tea_patch_size=[48, 48, 48])
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"tra_mode": "class-specific", "tra_lr": 0, "tra_logit_budget": None},
+         "--tra_lr 0: tra_mode 'class-specific' learns the TRA policy, but a learning rate of 0 with no "
+         "tra_logit_budget never changes it; set tra_lr > 0 or a tra_logit_budget (to keep a policy as it is: "
+         "tra_mode heuristic or fixed)"),
+        ({"tra_mode": "learned", "tra_lr": 0.0}, "--tra_lr 0.0: tra_mode 'learned' learns the TRA policy"),
+        ({"tea_mode": "joint", "tea_lr": 0}, "--tea_lr 0: tea_mode 'joint' learns the TEA policy, but a learning rate"
+                                             " of 0 with no tea_logit_budget never changes it"),
+        ({"tea_mode": "learned-posthoc", "posthoc_lr": 0}, "--posthoc_lr 0: tea_mode 'learned-posthoc' learns the TEA "
+                                                           "policy, but a learning rate of 0 never changes it; set "
+                                                           "posthoc_lr > 0 (to keep a policy as it is: tea_mode"),
+        ({"tea_mode": "joint", "tea_estimator": "paired", "num_tea_copies": 84},
+         "--num_tea_copies 84: the paired TEA estimator (tea_estimator paired) scores each copy with another "
+         "non-identity op: at most 83"),
+        ({"tra_mode": "class-specific", "tra_estimator": "paired", "tra_counterfactuals": 0},
+         "--tra_counterfactuals 0: the paired TRA estimator (tra_estimator paired) of tra_mode 'class-specific' needs "
+         "at least 1 counterfactual copy per training patch"),
+    ],
+)  # fmt: skip
+def test_settings_that_do_not_go_together_are_refused(settings, expected):
+    """A learning rate of 0 where it is used would leave a policy the run reports as learned at its preset."""
+    with pytest.raises(PreflightError) as err:
+        check_settings(argv=[], **settings)
+    assert str(err.value).startswith(f"bad settings:\n  {expected}")
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"tra_mode": "class-specific", "tra_lr": 0, "tra_logit_budget": 6.0},  # the budget sets the learning rate
+        {"tra_mode": "heuristic", "tra_lr": 0},  # nothing learns the TRA policy
+        {"tea_mode": "joint", "tea_lr": 0, "tea_logit_budget": 6.0},
+        {"tea_mode": "heuristic", "tea_lr": 0, "posthoc_lr": 0},
+        {"tea_mode": "joint", "tea_lr": 0.01, "posthoc_lr": 0},  # posthoc_lr is learned-posthoc's only
+        {"tea_mode": "joint", "tea_estimator": "gumbel", "num_tea_copies": 84},
+        {"tea_mode": "heuristic", "tea_estimator": "paired", "num_tea_copies": 84},
+        {"tra_mode": "heuristic", "tra_estimator": "paired", "tra_counterfactuals": 0},
+        {"tra_mode": "class-specific", "tra_estimator": "gumbel", "tra_counterfactuals": 0},
+    ],
+)
+def test_the_same_values_pass_where_they_are_not_used(settings):
+    check_settings(argv=[], **settings)
+
+
+def test_a_bad_value_is_reported_once_not_again_with_the_settings_it_goes_with():
+    with pytest.raises(PreflightError) as err:
+        check_settings(argv=[], tra_mode="class-specific", tra_lr=0, tra_logit_budget="null")
+    assert str(err.value).count("\n") == 1 and "--tra_logit_budget 'null'" in str(err.value)
+
+
 def test_misspelled_override_id_is_refused_with_a_suggestion():
     with pytest.raises(PreflightError, match=r"unknown override id\(s\) --max_epoch \(did you mean --max_epochs\?\)"):
         check_override_ids(_argv("--max_epoch", "3", "--num_workers", "0"))

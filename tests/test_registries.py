@@ -169,3 +169,43 @@ def test_one_table_of_intensity_kinds_serves_both_catalogues(op):
     image = torch.rand(1, 1, 12, 12, 12)
     tra = apply_tra_batch({"image": image}, {}, [params])[0]["image"]
     torch.testing.assert_close(tra, apply_tea_ops([op], image)[0][None], rtol=0, atol=0)
+
+
+def test_a_normalising_registry_finds_every_name_it_lists():
+    """A name registered in another spelling than its normalised form (``SwinUNETR`` in a case-insensitive registry)
+    is found under every spelling, listed as registered, and a second spelling of a taken name is refused."""
+    registry: Registry[int] = Registry("network", normalise=str.lower)
+    registry.register("SwinUNETR", 1)
+    assert registry.names() == list(registry) == ["SwinUNETR"] and registry.items() == [("SwinUNETR", 1)]
+    for spelling in ("SwinUNETR", "swinunetr", "SWINUNETR"):
+        assert registry.get(spelling) == 1 and spelling in registry and registry.key(spelling) == "SwinUNETR"
+    with pytest.raises(ValueError, match=r"'swinunetr' is already registered \(as 'SwinUNETR', the same name once"):
+        registry.register("swinunetr", 2)
+    registry.register("swinunetr", 2, overwrite=True)
+    assert registry.get("SwinUNETR") == 2 and len(registry) == 1 and registry.names() == ["swinunetr"]
+    with pytest.raises(ValueError, match="non-empty string"):
+        Registry("loss", normalise=lambda name: name.strip()).register("  ", 3)  # nothing left once normalised
+
+
+def test_the_loss_and_network_registries_find_names_registered_in_capitals():
+    """The reviewer's case: ``get_loss('focal_DSC')`` said the valid names were ``..., focal_DSC``."""
+    from jcsaug.engine.losses import LOSSES, _loss_key
+    from jcsaug.engine.preflight import check_settings
+    from jcsaug.networks import NETWORKS, NetworkSpec, get_network, register_network
+
+    def focal(logits, label):
+        return torch.zeros(len(logits))
+
+    spec = NetworkSpec("SwinUNETR", lambda *args, **kwargs: None)
+    LOSSES.register("focal_DSC", focal)
+    register_network(spec)
+    try:
+        assert get_loss("focal_DSC") is get_loss("Focal_dice") is focal and "focal_DSC" in list_losses()
+        assert get_network("SwinUNETR") is get_network("swinunetr") is spec and "SwinUNETR" in NETWORKS
+        check_settings(argv=[], network="SwinUNETR", train_loss="focal_DSC", val_loss="FOCAL_DSC")
+        with pytest.raises(ValueError, match=r"loss 'CE' is already registered \(as 'ce'"):
+            LOSSES.register("CE", focal)  # would have shadowed 'ce' for some spellings only
+    finally:
+        LOSSES._entries.pop(_loss_key("focal_DSC"))
+        NETWORKS._entries.pop("swinunetr")
+    assert "focal_DSC" not in list_losses() and "SwinUNETR" not in NETWORKS

@@ -43,14 +43,18 @@ class Registry(Generic[T]):
     Args:
         kind: what the objects are, for error messages (``"network"``, ``"loss"`` ...).
         entries: initial entries.
-        normalise: maps a requested name to its registered form (e.g. ``str.lower``); names are stored as given.
+        normalise: maps a name to its key (e.g. ``str.lower``), both when it is registered and when it is looked
+            up, so that every spelling the registry lists is found; two names with the same key are one name. The
+            names are listed (and ``key`` returns them) as they were registered.
     """
 
     def __init__(
         self, kind: str, entries: Mapping[str, T] | None = None, normalise: Callable[[str], str] | None = None
     ) -> None:
         self.kind = kind
-        self._entries: dict[str, T] = {}
+        self._entries: dict[str, T] = {}  # normalised key -> object
+        # normalised key -> the name as registered (listed, in error messages); read for the keys of _entries only
+        self._names: dict[str, str] = {}
         self._normalise = normalise
         for name, obj in (entries or {}).items():
             self.register(name, obj)
@@ -74,34 +78,47 @@ class Registry(Generic[T]):
             name, obj = getattr(name, "name", None), name
         elif obj is None:
             return lambda target: self.register(name, target, overwrite=overwrite)
-        if not isinstance(name, str) or not name:
+        key = self._normalised(name)
+        if not isinstance(name, str) or not name or not key:
             raise ValueError(f"a {self.kind} name must be a non-empty string, got {name!r}")
-        if name in self._entries and not overwrite:
-            raise ValueError(f"{self.kind} {name!r} is already registered (pass overwrite=True to replace it)")
-        self._entries[name] = obj
+        if key in self._entries and not overwrite:
+            taken = self._names[key]
+            also = "" if taken == name else f" (as {taken!r}, the same name once normalised)"
+            raise ValueError(f"{self.kind} {name!r} is already registered{also} (pass overwrite=True to replace it)")
+        self._entries[key] = obj
+        self._names[key] = name
         return obj
 
-    def key(self, name: object) -> str:
-        """The registered name ``name`` stands for; :class:`UnknownNameError` if none."""
-        key = self._normalise(str(name)) if self._normalise is not None and isinstance(name, str) else name
+    def _normalised(self, name: object) -> object:
+        """The key ``name`` is stored under (``name`` itself for a non-string or a registry without ``normalise``)."""
+        return self._normalise(name) if self._normalise is not None and isinstance(name, str) else name
+
+    def _lookup(self, name: object) -> str:
+        """The normalised key of ``name``; :class:`UnknownNameError` listing the valid names if none."""
+        key = self._normalised(name)
         if not isinstance(key, str) or key not in self._entries:
             raise UnknownNameError(f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())}")
         return key
 
+    def key(self, name: object) -> str:
+        """The registered name ``name`` stands for (as it was registered); :class:`UnknownNameError` if none."""
+        return self._names[self._lookup(name)]
+
     def get(self, name: object) -> T:
         """The object registered as ``name``; :class:`UnknownNameError` listing the valid names if none."""
-        return self._entries[self.key(name)]
+        return self._entries[self._lookup(name)]
 
     def names(self) -> list[str]:
-        """The registered names, sorted."""
-        return sorted(self._entries)
+        """The registered names (as registered), sorted."""
+        return sorted(self._names[key] for key in self._entries)
 
     def items(self) -> list[tuple[str, T]]:
-        return list(self._entries.items())
+        """``(registered name, object)`` in registration order."""
+        return [(self._names[key], obj) for key, obj in self._entries.items()]
 
     def __contains__(self, name: object) -> bool:
         try:
-            self.key(name)
+            self._lookup(name)
         except UnknownNameError:
             return False
         return True
@@ -110,7 +127,7 @@ class Registry(Generic[T]):
         return self.get(name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter([self._names[key] for key in self._entries])  # the registered names, in registration order
 
     def __len__(self) -> int:
         return len(self._entries)

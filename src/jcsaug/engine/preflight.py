@@ -5,7 +5,8 @@ cannot take, or an output folder holding another run all fail in seconds with on
 (and the valid choices), instead of after hours of training or, worse, not at all.
 
 * :func:`check_settings`: the values of the bundle's settings (network name, modes, ``tea_z``, counts, learning
-  rate) and the ids given on the command line (:func:`check_override_ids`).
+  rates and logit budgets, estimators, losses, look-ahead, ...; and the ones that do not go together, such as a
+  learning rate of 0 for a policy the run learns) and the ids given on the command line (:func:`check_override_ids`).
 * :func:`check_output_dir`: a fresh run never mixes with another run in its ``output_dir``; ``resume`` continues
   it (with its own ``max_epochs``/``epoch_length``), ``overwrite`` replaces it.
 * :func:`check_data`: every split's files exist and each image/label pair has the same 3D shape and affine (NIfTI
@@ -116,10 +117,38 @@ def _non_negative_int(value: Any) -> str | None:
     return None
 
 
+def _finite(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
 def _positive_finite(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        return "must be a finite number > 0"
-    return None
+    return None if _finite(value) and value > 0 else "must be a finite number > 0"
+
+
+def _at_least(low: float) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return None if _finite(value) and value >= low else f"must be a finite number >= {low:g}"
+
+    return check
+
+
+def _fraction(low_open: bool) -> Callable[[Any], str | None]:
+    """A number in ``(0, 1]`` (``low_open``) or ``[0, 1]``."""
+
+    def check(value: Any) -> str | None:
+        if _finite(value) and (value > 0 if low_open else value >= 0) and value <= 1:
+            return None
+        return f"must be a number in {'(' if low_open else '['}0, 1]"
+
+    return check
+
+
+def _budget(value: Any) -> str | None:
+    """A logit budget: ``None`` (the learning rate is used as it is) or a finite number > 0."""
+    if value is None or (_finite(value) and value > 0):
+        return None
+    # fire reads `None` as None but `null` as the word 'null': say which to type
+    return "must be a finite number > 0, or None (no budget: the learning rate is used; None on the command line)"
 
 
 def _flag(value: Any) -> str | None:
@@ -137,6 +166,23 @@ def _one_of(choices: Iterable[str]) -> Any:
         return None if value in choices else f"must be one of {', '.join(choices)}"
 
     return check
+
+
+def _registered(registry: Any) -> Callable[[Any], str | None]:
+    """A name of ``registry`` (its own normalisation, e.g. case, applies)."""
+
+    def check(value: Any) -> str | None:
+        return None if isinstance(value, str) and value in registry else f"must be one of {', '.join(registry.names())}"
+
+    return check
+
+
+def _val_loss(value: Any) -> str | None:
+    from jcsaug.engine.losses import BATCH_LOSSES, LOSSES
+
+    if callable(value) or (isinstance(value, str) and (value in BATCH_LOSSES or value in LOSSES)):
+        return None
+    return f"must be one of {', '.join(BATCH_LOSSES.names() + LOSSES.names())}"
 
 
 def _network(value: Any) -> str | None:
@@ -167,46 +213,118 @@ def _patch_size(value: Any) -> str | None:
     return None
 
 
+def _optional_patch_size(value: Any) -> str | None:
+    reason = None if value is None else _patch_size(value)
+    return reason and f"{reason}, or None"
+
+
 def _validators() -> dict[str, Any]:
+    """id -> rule (``value -> None`` or what the value must be); the ranges are those the updaters and the modes
+    accept (:class:`~jcsaug.engine.base.PolicyUpdater`, :class:`~jcsaug.engine.TRAPolicyUpdater`,
+    :class:`~jcsaug.engine.TEAPolicyUpdater`, :class:`~jcsaug.engine.AugmentationSetup`), so that a bad value fails
+    here, named, instead of inside a config expression after the data is loaded."""
     from jcsaug.engine.device_augmentation import AUGMENT_ON
     from jcsaug.engine.hypergradient import HYPERGRADIENTS
+    from jcsaug.engine.losses import LOSSES
     from jcsaug.engine.modes import TEA_MODES, TRA_MODES
+    from jcsaug.engine.tea_updater import TEA_ESTIMATORS
+    from jcsaug.engine.tra_updater import TRA_ESTIMATORS
 
     positive = ("max_epochs", "epoch_length", "tra_update_every", "tea_update_every", "num_tea_copies",
                 "posthoc_iterations", "samples_per_case", "cases_per_batch", "train_cases_per_batch", "val_batch_size",
-                "num_classes")  # fmt: skip
-    rates = ("learning_rate", "tra_lr", "tea_lr", "posthoc_lr")
+                "num_classes", "val_batches", "tea_patches")  # fmt: skip
     return {
         **dict.fromkeys(positive, _positive_int),
-        **dict.fromkeys(("num_workers", "stop_after_epochs", "seed"), _non_negative_int),
-        **dict.fromkeys(rates, _positive_finite),
+        **dict.fromkeys(("num_workers", "stop_after_epochs", "seed", "tra_counterfactuals"), _non_negative_int),
+        "learning_rate": _positive_finite,  # the network's SGD: 0 would train nothing
+        # 0 is what the updaters accept (a budget replaces it); 0 where it is used: _relation_problems
+        **dict.fromkeys(("tra_lr", "tea_lr", "posthoc_lr"), _at_least(0)),
+        **dict.fromkeys(("tra_logit_budget", "tea_logit_budget"), _budget),
+        "tea_poly_power": _at_least(0),
+        "tra_lookahead": _at_least(1),
+        "val_average": _fraction(low_open=True),
+        "cache_rate": _fraction(low_open=False),
         **dict.fromkeys(("resume", "overwrite", "train_on_val", "keep_largest_component"), _flag),
         "tra_mode": _one_of(TRA_MODES),
         "tea_mode": _one_of(TEA_MODES),
+        "tra_estimator": _one_of(TRA_ESTIMATORS),
+        "tea_estimator": _one_of(TEA_ESTIMATORS),
         "augment_on": _one_of(AUGMENT_ON),
         "hypergradient": _one_of(HYPERGRADIENTS),
+        "train_loss": _registered(LOSSES),
+        "val_loss": _val_loss,
         "network": _network,
         "tea_z": _tea_z,
         "patch_size": _patch_size,
+        "tea_patch_size": _optional_patch_size,
     }
+
+
+def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]) -> list[str]:
+    """Values each fine alone that do not go together; only settings given and valid alone (``valid(id)``) count.
+
+    * a learning rate of 0 where it is used (a learned policy with no logit budget, ``learned-posthoc``'s
+      ``posthoc_lr``) leaves the policy at its preset while the run reports it as learned: refused, since the modes
+      that keep a policy as it is say so (``heuristic``, ``fixed``);
+    * the paired TEA estimator scores each of its Z copies with another non-identity op (at most 83);
+    * the paired TRA estimator needs at least one counterfactual copy.
+    """
+    from jcsaug.engine.modes import get_tea_mode, get_tra_mode
+    from jcsaug.ops.tea import TEA_OPS
+
+    tra = get_tra_mode(settings["tra_mode"]) if valid("tra_mode") else None
+    tea = get_tea_mode(settings["tea_mode"]) if valid("tea_mode") else None
+    learned = {
+        "tra_lr": (bool(tra and tra.learned), "tra_logit_budget", f"tra_mode {getattr(tra, 'name', '')!r}"),
+        "tea_lr": (bool(tea and tea.joint), "tea_logit_budget", f"tea_mode {getattr(tea, 'name', '')!r}"),
+        "posthoc_lr": (bool(tea and tea.posthoc), None, f"tea_mode {getattr(tea, 'name', '')!r}"),
+    }
+    problems = []
+    for lr, (learns, budget, mode) in learned.items():
+        # a budget not given is the updaters' default, None; one given but invalid is already reported
+        if learns and valid(lr) and settings[lr] == 0 and (budget is None or settings.get(budget) is None):
+            which = "TRA" if lr == "tra_lr" else "TEA"
+            fix = f"set {lr} > 0" + (f" or a {budget}" if budget else "")
+            problems.append(
+                f"--{lr} {settings[lr]!r}: {mode} learns the {which} policy, but a learning rate of 0"
+                + (f" with no {budget}" if budget else "")
+                + f" never changes it; {fix} (to keep a policy as it is: {which.lower()}_mode heuristic or fixed)"
+            )
+    z, k = settings.get("num_tea_copies"), settings.get("tra_counterfactuals")
+    tea_learned = bool(tea and (tea.joint or tea.posthoc))
+    if tea_learned and settings.get("tea_estimator") == "paired" and valid("num_tea_copies") and z > len(TEA_OPS) - 1:
+        problems.append(
+            f"--num_tea_copies {z!r}: the paired TEA estimator (tea_estimator paired) scores each copy with another "
+            f"non-identity op: at most {len(TEA_OPS) - 1}"
+        )
+    if tra and tra.learned and settings.get("tra_estimator") == "paired" and valid("tra_counterfactuals") and k == 0:
+        problems.append(
+            f"--tra_counterfactuals {k!r}: the paired TRA estimator (tra_estimator paired) of tra_mode {tra.name!r} "
+            "needs at least 1 counterfactual copy per training patch"
+        )
+    return problems
 
 
 @_reported
 def check_settings(argv: Sequence[str] | None = None, **settings: Any) -> None:
-    """Check the values of a bundle's settings (id -> value; ids without a rule are not checked) and, when the
+    """Check the values of a bundle's settings (id -> value; ids without a rule are not checked), the values that
+    do not go together (e.g. ``tra_lr`` 0 for a learned TRA policy with no ``tra_logit_budget``) and, when the
     process is ``python -m monai.bundle run``, the override ids of its command line (:func:`check_override_ids`).
+    A bundle passes every setting it has a rule for (tests/test_bundle_hardening.py checks it).
 
     Raises:
         PreflightError: one line per bad value, ``--id value: what it must be``.
     """
     check_override_ids(argv)
     rules = _validators()
-    problems = []
+    problems, bad = [], set()
     for key, value in settings.items():
         rule = rules.get(key)
         reason = rule(value) if rule is not None else None
         if reason:
             problems.append(f"--{key} {value!r}: {reason}")
+            bad.add(key)
+    problems += _relation_problems(settings, lambda key: key in settings and key not in bad)
     if problems:
         raise PreflightError("bad settings:\n  " + "\n  ".join(problems))
 
@@ -471,21 +589,22 @@ def check_patch_size(
     patch_size: int | Sequence[int],
     in_channels: int | None = None,
     sizes: Callable[[nn.Module, Sequence[int]], tuple[Sequence[int], Sequence[int]]] | None = None,
+    name: str = "patch_size",
 ) -> None:
     """Refuse a patch size whose logits do not cover the patch (e.g. a U-Net's strides do not divide it).
 
     A forward pass on the meta device (shapes only, no memory, no compute) of a copy of the built ``network``
     (DDP-wrapped or not). ``sizes(network, patch) -> (input_size, output_size)`` says which input the patch means and
     which region its logits must cover (the network registry's :meth:`jcsaug.networks.NetworkSpec.sizes`: DeepMedic's
-    logits cover its output region); ``None`` = input and output are the patch. The error names the sizes and a
-    size that fits.
+    logits cover its output region); ``None`` = input and output are the patch. The error names the setting
+    (``name``: ``patch_size``, ``tea_patch_size``), the sizes and a size that fits.
     """
     net = getattr(network, "module", network)
     if not isinstance(net, nn.Module):
         raise PreflightError(f"network is {net!r}, not a network module")
     reason = _patch_size(patch_size)
     if reason:
-        raise PreflightError(f"--patch_size {patch_size!r}: {reason}")
+        raise PreflightError(f"--{name} {patch_size!r}: {reason}")
     channels = _in_channels(net) if in_channels is None else int(in_channels)
 
     def fits(patch: Sequence[int]) -> tuple[bool, str]:
@@ -506,4 +625,4 @@ def check_patch_size(
         if fits(candidate)[0]:
             hint = f"; e.g. {candidate} fits"
             break
-    raise PreflightError(f"--patch_size {patch_size!r} does not fit the {type(net).__name__} ({what}){hint}")
+    raise PreflightError(f"--{name} {patch_size!r} does not fit the {type(net).__name__} ({what}){hint}")

@@ -2,10 +2,20 @@
 
 It is a view of the policies' state (the logits); :func:`load_policies` rebuilds the policies and
 refuses a file whose series or op names do not match this version's catalogues.
+
+Version 1 of the format (the only one so far)::
+
+    {"format": "jcsaug-policies", "version": 1,
+     "tra": {"num_groups": G, "groups": [{"group": g, "series": [{"series": name, "ops": [
+         {"name": op, "probability": p, "logit": x}, ...]}, ...]}, ...]},
+     "tea": {"ops": [{"id": i, "name": op, "probability": p, "logit": x}, ...]}}
+
+``tra`` and ``tea`` are each optional; the logits are the state (the probabilities are written for reading).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from pathlib import Path
@@ -18,6 +28,17 @@ from jcsaug.utils import atomic_write_text
 
 FORMAT = "jcsaug-policies"
 VERSION = 1
+#: the versions :func:`load_policies` reads (a file without ``version`` is read as :data:`VERSION`: hand-written)
+READABLE_VERSIONS = (1,)
+
+# the entries of each object of the format: any other is refused (a misspelled "tra" would silently load no policy)
+_TOP_KEYS = ("format", "version", "tra", "tea")
+_TRA_KEYS = ("num_groups", "groups")
+_GROUP_KEYS = ("group", "series")
+_SERIES_KEYS = ("series", "ops")
+_TEA_KEYS = ("ops",)
+_OP_KEYS = ("name", "probability", "logit")
+_TEA_OP_KEYS = ("id", *_OP_KEYS)
 
 
 def policies_to_dict(tra: CategoricalPolicy | None = None, tea: CategoricalPolicy | None = None) -> dict:
@@ -72,12 +93,39 @@ def _entries(value: object, key: str, where: str, kind: type = list) -> object:
     return entry
 
 
-def _logits_of(ops: object, expected_names: list[str], where: str) -> list[float]:
+def _known_keys(value: object, known: tuple[str, ...], where: str) -> None:
+    """Refuse entries of the object ``value`` that the format does not have (with the nearest known one)."""
+    if not isinstance(value, dict):
+        return  # its type is reported where it is read
+    for key in value:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{where}: unknown entry {key!r}{hint}; the entries are {', '.join(map(repr, known))}")
+
+
+def _check_position(value: dict, key: str, expected: int, where: str) -> None:
+    """An index the file states (``group`` of a TRA group, ``id`` of a TEA op) must be the entry's position: the
+    entries are read in order, so a file whose indices disagree would load into other groups or ops."""
+    if key not in value:
+        return  # optional: the position is the index
+    index = value[key]
+    if isinstance(index, bool) or not isinstance(index, int) or index != expected:
+        raise ValueError(f"{where}: {key!r} is {index!r} but the entry is number {expected} (entries are in order)")
+
+
+def _logits_of(ops: object, expected_names: list[str], where: str, ids: bool = False) -> list[float]:
+    """The logits of a list of ops (TEA ops: ``ids``, each may state its ``id``)."""
     if not isinstance(ops, list) or not all(isinstance(op, dict) for op in ops):
         raise ValueError(f"{where}: ops must be a list of objects with 'name' and 'logit', got {ops!r:.80}")
+    for i, op in enumerate(ops):
+        _known_keys(op, _TEA_OP_KEYS if ids else _OP_KEYS, f"{where}: op {i}")
     names = [op.get("name") for op in ops]
     if names != expected_names:
         raise ValueError(f"{where}: op names {names} do not match the catalogue {expected_names}")
+    if ids:
+        for i, op in enumerate(ops):
+            _check_position(op, "id", i, f"{where}: op {op['name']!r}")
     logits = []
     for op in ops:
         value = op.get("logit")
@@ -92,8 +140,11 @@ def _logits_of(ops: object, expected_names: list[str], where: str) -> list[float
 def load_policies(path: str | Path) -> tuple[CategoricalPolicy | None, CategoricalPolicy | None]:
     """Rebuild ``(tra, tea)`` from a ``policies.json`` (either may be ``None`` if absent).
 
-    Every problem (unreadable or non-JSON file, another format, missing or mistyped entries, series or op names
-    of another catalogue, logits that are not finite float32 numbers) is a one-line ``ValueError`` naming the file.
+    Every problem (unreadable or non-JSON file, another format or a version this jcsaug does not read, missing,
+    mistyped or unknown entries, a ``num_groups`` other than the groups listed, a group's ``group`` or a TEA op's
+    ``id`` other than its position, series or op names of another catalogue, logits that are not finite float32
+    numbers) is a one-line ``ValueError`` naming the file and the entry. ``version``, ``num_groups``, ``group`` and
+    ``id`` may be left out (a hand-written file); where given they are checked.
 
     Example::
 
@@ -109,19 +160,33 @@ def load_policies(path: str | Path) -> tuple[CategoricalPolicy | None, Categoric
     data = _read_json(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path} is not a jcsaug policies file (missing 'format': {FORMAT!r})")
+    _known_keys(data, _TOP_KEYS, str(path))
+    version = data.get("version", VERSION)
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise ValueError(
+            f"{path}: 'version' is {version!r}; this jcsaug reads version(s) {', '.join(map(str, READABLE_VERSIONS))} "
+            "of the policies format (a newer jcsaug wrote it?)"
+        )
     tra = tea = None
     if "tra" in data:
+        _known_keys(data["tra"], _TRA_KEYS, f"{path}: 'tra'")
         groups = _entries(data["tra"], "groups", f"{path}: 'tra'")
         if not groups:
             raise ValueError(f"{path}: the TRA policy has no class groups")
+        stated = data["tra"].get("num_groups", len(groups))
+        if isinstance(stated, bool) or stated != len(groups):
+            raise ValueError(f"{path}: 'tra': 'num_groups' is {stated!r} but {len(groups)} groups are listed")
         tra = make_tra_policy("uniform", num_groups=len(groups))
         rows = []
         for g, group in enumerate(groups):
+            _known_keys(group, _GROUP_KEYS, f"{path}: TRA group {g}")
             series = _entries(group, "series", f"{path}: TRA group {g}")
+            _check_position(group, "group", g, f"{path}: TRA group {g}")
             if len(series) != tra.num_series:
                 raise ValueError(f"{path}: TRA policy has {len(series)} series, the catalogue has {tra.num_series}")
             row = []
             for s, entry in enumerate(series):
+                _known_keys(entry, _SERIES_KEYS, f"{path}: TRA group {g}, series {s}")
                 name = _entries(entry, "series", f"{path}: TRA group {g}, series {s}", str)
                 if name != tra.series_names[s]:
                     raise ValueError(f"{path}: TRA series {s} is {name!r}, expected {tra.series_names[s]!r}")
@@ -132,7 +197,9 @@ def load_policies(path: str | Path) -> tuple[CategoricalPolicy | None, Categoric
             tra.logits.copy_(torch.tensor(rows))
     if "tea" in data:
         tea = make_tea_policy("uniform")
-        logits = _logits_of(_entries(data["tea"], "ops", f"{path}: 'tea'"), tea.op_names[0], f"{path}: TEA policy")
+        _known_keys(data["tea"], _TEA_KEYS, f"{path}: 'tea'")
+        ops = _entries(data["tea"], "ops", f"{path}: 'tea'")
+        logits = _logits_of(ops, tea.op_names[0], f"{path}: TEA policy", ids=True)
         with torch.no_grad():
             tea.logits.copy_(torch.tensor([logits]))
     return tra, tea
