@@ -143,6 +143,20 @@ def test_4_resume_with_a_larger_max_epochs_is_refused(monkeypatch, tmp_path, dat
     assert "start a longer run in another --output_dir" in message
 
 
+def test_4_resume_with_another_seed_or_update_interval_is_refused(monkeypatch, tmp_path, dataset):
+    """The run's settings are saved in resume.pt (``resume_settings``) and checked before anything is loaded."""
+    run = tmp_path / "run"
+    _previous_run(run)
+    state = read_checkpoint(run / "resume.pt")
+    state["run_settings"] = {"seed": 0, "tra_mode": "class-specific", "tea_mode": "joint", "tra_update_every": 2,
+                             "tea_update_every": 2}  # fmt: skip
+    torch.save(state, run / "resume.pt")
+    _workflow(monkeypatch, tmp_path, dataset, epoch_length=2, resume=True).initialize()  # the same: accepted
+    message = _refused(monkeypatch, tmp_path, dataset, epoch_length=2, resume=True, seed=1, tra_update_every=4)
+    assert "--seed 1" in message and "seed 0" in message
+    assert "--tra_update_every 4" in message and "tra_update_every 2" in message
+
+
 # ----------------------------------------------------------------------------------------------- items 5 and 6
 def _edit_label(data: Path, split: str, edit) -> Path:
     entry = json.loads((data / "dataset.json").read_text())[split][0]

@@ -155,6 +155,10 @@ def test_bundle_multi_gpu_config_runs_under_torchrun(tmp_path):
     for path in (run / "checkpoint_final_iteration=2.pt", run / "resume.pt"):  # saved unwrapped from DDP
         checkpoint = torch.load(path, weights_only=True)
         assert checkpoint["network"] and not any(k.startswith("module.") for k in checkpoint["network"]), path
+    ranks = checkpoint["rank_states"]  # resume.pt: rank 1's own updater states beside rank 0's, for an exact resume
+    assert ranks["world_size"] == 2 and set(ranks["states"]) == {"tra_updater", "tea_updater"}
+    for name, states in ranks["states"].items():
+        assert not torch.equal(states[1]["generator"], checkpoint[name]["generator"]), name
 
 
 def test_rank_device_picks_the_local_gpu_or_says_why_not(monkeypatch):

@@ -1,12 +1,19 @@
-"""Exact resume: stop after epoch 1 of 2 and resume == 2 epochs straight (CPU, seeded, DataLoader workers)."""
+"""Exact resume: stop after epoch 1 of 2 and resume == 2 epochs straight (CPU, seeded, DataLoader workers); the time
+box, the per-epoch reseeding and the settings a resume must keep."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from ignite.engine import Engine
+from monai.data import Dataset
+from monai.transforms import Randomizable
+from torch.utils.data import DataLoader
 
 from helpers import run_bundle, small_dataset
-from jcsaug.engine import ResumeCheckpoint
+from jcsaug.engine import EpochReseeder, ResumeCheckpoint, StopAfterEpochs, TEAPolicyUpdater
+from jcsaug.engine.base import ValidationStream
+from jcsaug.engine.checkpoints import read_checkpoint, save_checkpoint_atomic, save_state_atomic
 from jcsaug.policy import make_tea_policy, make_tra_policy
 
 
@@ -46,3 +53,135 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "resume.pt").write_bytes(b"\x00truncated")
     with pytest.raises(ValueError, match="cannot read checkpoint .*resume.pt"):
         handler.load()
+
+
+# ----------------------------------------------------------------------------------------------- time box
+@pytest.mark.parametrize("stop_first", [False, True], ids=["resume-first", "stop-first"])
+def test_stop_after_epochs_counts_from_the_epoch_a_job_starts_at(tmp_path, stop_first):
+    """A time-boxed job resumed with the same command runs N more epochs (not up to epoch N), whatever the order
+    of the handlers (ResumeCheckpoint loads the saved epoch at STARTED too)."""
+
+    def job(resume: bool) -> int:
+        engine = Engine(lambda e, b: None)
+        handlers = [ResumeCheckpoint(tmp_path, {}, resume=resume), StopAfterEpochs(2)]
+        for handler in reversed(handlers) if stop_first else handlers:
+            handler.attach(engine)
+        engine.run(range(3), max_epochs=5)
+        return engine.state.epoch
+
+    assert job(resume=False) == 2
+    assert job(resume=True) == 4  # two more
+    assert job(resume=True) == 5  # the rest of the run
+
+
+# ----------------------------------------------------------------------------------------------- reseeding
+class _Draw(Randomizable):
+    """A random transform: each item is the next draw of its random state."""
+
+    def __call__(self, item):
+        return int(self.R.randint(1 << 30))
+
+
+class _Updater:
+    """What EpochReseeder reads of a policy updater: its validation stream over its own loader."""
+
+    def __init__(self, loader) -> None:
+        self.val_stream = ValidationStream(loader)
+
+
+def test_epoch_reseeder_reseeds_the_datasets_of_the_updaters_own_loaders():
+    """The TEA's validation crops (its own loader's random transform) restart from the epoch's seed, as the listed
+    datasets do: an interrupted run's process has drawn from them, a resumed one has not."""
+    listed, own = Dataset([0] * 3, transform=_Draw()), Dataset([0] * 3, transform=_Draw())
+    updaters = [_Updater(DataLoader(listed)), _Updater(DataLoader(own))]  # the first shares a listed dataset
+    engine = Engine(lambda e, b: None)
+    engine.state.epoch = 2
+
+    def draws(datasets, updaters) -> tuple[list[int], list[int]]:
+        EpochReseeder(7, datasets=datasets, updaters=updaters)(engine)
+        return [listed[i] for i in range(3)], [own[i] for i in range(3)]
+
+    first = draws([listed], updaters)
+    assert draws([listed], updaters) == first  # after the draws of the first: the same again
+    assert first[0] != first[1]  # a seed of its own
+    assert draws([listed], [])[0] == first[0]  # a listed dataset keeps its seed, with or without updaters
+
+
+# ----------------------------------------------------------------------------------------------- settings
+def _tea(seed: int = 0, update_every: int = 1) -> TEAPolicyUpdater:
+    return TEAPolicyUpdater(make_tea_policy("nnunet"), torch.nn.Conv3d(1, 2, 1), None, lr=0.01, seed=seed,
+                            update_every=update_every)  # fmt: skip
+
+
+def _resume(tmp_path, updater: TEAPolicyUpdater, settings: dict | None = None) -> None:
+    engine = Engine(lambda e, b: None)
+    ResumeCheckpoint(tmp_path, {"tea_updater": updater}, resume=True, settings=settings).attach(engine)
+    engine.run(range(2), max_epochs=1)
+
+
+@pytest.mark.filterwarnings("ignore:TEA update skipped")  # no validation data: every update skips
+def test_resume_refuses_another_seed_or_update_interval(tmp_path):
+    """The seed and the update interval (which sets the budget-derived policy lr) change the run: a resume with
+    others is refused, naming each; a checkpoint saved before the settings were kept is not checked."""
+    engine = Engine(lambda e, b: None)
+    ResumeCheckpoint(tmp_path, {"tea_updater": _tea()}, settings={"seed": 0}).attach(engine)
+    engine.run(range(2), max_epochs=1)
+    _resume(tmp_path, _tea(), settings={"seed": 0})  # the same settings: accepted
+    interval = (r"cannot resume .*resume\.pt with tea_updater\.update_every 2: that run was saved with "
+                r"tea_updater\.update_every 1 \(after 2 iterations\)\. Resume continues a run exactly")  # fmt: skip
+    with pytest.raises(ValueError, match=interval):
+        _resume(tmp_path, _tea(update_every=2), settings={"seed": 0})
+    with pytest.raises(ValueError, match=r"with --seed 1, tea_updater\.seed 1: that run was saved with seed 0, "
+                       r"tea_updater\.seed 0 "):  # fmt: skip
+        _resume(tmp_path, _tea(seed=1), settings={"seed": 1})
+
+    state = read_checkpoint(tmp_path / "resume.pt")  # as saved before: no settings, no per-rank states
+    for key in ("run_settings", "rank_states"):
+        del state[key]
+    del state["tea_updater"]["settings"]
+    save_state_atomic(tmp_path / "resume.pt", state)
+    updater = _tea(seed=1)
+    _resume(tmp_path, updater, settings={"seed": 1})  # nothing to compare: loaded as before
+    assert torch.equal(updater.generator.get_state(), state["tea_updater"]["generator"])
+
+
+def test_resume_with_per_rank_states_refuses_another_number_of_processes(tmp_path):
+    """Each rank's random stream is saved: a run saved by 2 processes cannot continue exactly in 1."""
+    updater = _tea()
+    trainer = {"iteration": 2, "epoch_length": 2, "max_epochs": 1}
+    save_checkpoint_atomic(tmp_path / "resume.pt", {
+        "tea_updater": updater, "trainer": trainer,
+        "rank_states": {"world_size": 2, "states": {"tea_updater": {1: updater.state_dict()}}},
+    })  # fmt: skip
+    with pytest.raises(ValueError, match=r"with 1 process: that run was saved with 2 processes \(after 2 iterations"):
+        _resume(tmp_path, _tea())
+
+
+def test_each_rank_loads_its_own_updater_state(monkeypatch, tmp_path):
+    """In-process view of the distributed resume (the gloo test in test_resume_distributed.py runs it for real): rank
+    r > 0 takes its entry of ``rank_states``, rank 0 the objects' own; a file saved before per-rank states gives
+    every rank rank 0's, with one warning (from rank 0)."""
+    import ignite.distributed as idist
+
+    first, second = _tea(seed=0), _tea(seed=5)  # two ranks' streams, drawn from (unlike a fresh updater's)
+    for updater in (first, second):
+        torch.randperm(10, generator=updater.generator)
+    trainer = {"iteration": 2, "epoch_length": 2, "max_epochs": 1}
+    per_rank = {"world_size": 2, "states": {"tea_updater": {1: second.state_dict()}}}
+    save_checkpoint_atomic(tmp_path / "resume.pt", {"tea_updater": first, "trainer": trainer, "rank_states": per_rank})
+    monkeypatch.setattr(idist, "get_world_size", lambda: 2)
+
+    def resumed_generator(rank: int) -> torch.Tensor:
+        monkeypatch.setattr(idist, "get_rank", lambda: rank)
+        updater = _tea()  # seeded 0 + rank: the resumed state must replace it
+        ResumeCheckpoint(tmp_path, {"tea_updater": updater, "trainer": Engine(lambda e, b: None)}, resume=True).load()
+        return updater.generator.get_state()
+
+    assert torch.equal(resumed_generator(0), first.generator.get_state())
+    assert torch.equal(resumed_generator(1), second.generator.get_state())
+    state = read_checkpoint(tmp_path / "resume.pt")
+    del state["rank_states"]
+    save_state_atomic(tmp_path / "resume.pt", state)
+    with pytest.warns(UserWarning, match=r"holds no per-rank states .* the ranks draw the same ops"):
+        assert torch.equal(resumed_generator(0), first.generator.get_state())
+    assert torch.equal(resumed_generator(1), first.generator.get_state())

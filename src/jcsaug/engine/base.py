@@ -109,6 +109,11 @@ class PolicyUpdater(ABC):
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.
 
+    The state (:meth:`state_dict`) is per rank in distributed runs: the random stream, and the running estimates
+    made from the rank's own batches (op effects, look-ahead, validation-gradient average).
+    :class:`~jcsaug.engine.resume.ResumeCheckpoint` saves and restores it for every rank (``rank_local_state``).
+    :meth:`resume_settings` are the arguments that shape the run's trajectory; a resume must keep them.
+
     Distributed runs (``torch.distributed`` initialised, world size > 1): every update is collective. The
     ranks' policy gradients (and drawn-op masks) are all-reduced before each Adam step, so the policies
     stay identical on every rank; a rank that skips an update still joins the all-reduce (with no
@@ -117,6 +122,10 @@ class PolicyUpdater(ABC):
     """
 
     sync_ranks: bool = True
+    #: the state differs between ranks (see the class docstring): resume checkpoints keep one per rank
+    rank_local_state: bool = True
+    #: added to ``seed`` for this kind of updater's stream, so that two kinds seeded alike draw independently
+    seed_offset: int = 0
 
     def __init__(
         self,
@@ -146,7 +155,13 @@ class PolicyUpdater(ABC):
         self.name = name
         self.logit_budget = None if logit_budget is None else float(logit_budget)
         self.optimizer = MaskedAdam(policy.parameters(), lr=lr, frequency_scaling=frequency_scaling)
-        self.generator = torch.Generator().manual_seed(int(seed) + idist.get_rank())
+        self.seed = int(seed)
+        self.generator = torch.Generator().manual_seed(self.seed + self.seed_offset + idist.get_rank())
+        # what a resume must keep (the budget replaces lr when given: lr is then no setting of the run)
+        self._settings: dict[str, float | int | str | bool | None] = {
+            "seed": self.seed, "update_every": self.update_every, "poly_power": self.poly_power,
+            **({"lr": self.base_lr} if self.logit_budget is None else {"logit_budget": self.logit_budget}),
+        }  # fmt: skip
         self.updates = 0
         self.skipped = 0
         self.skip_reasons: Counter[str] = Counter()  # reason -> how many updates it skipped
@@ -369,9 +384,16 @@ class PolicyUpdater(ABC):
         )
 
     # ------------------------------------------------------------------ checkpoints
+    def resume_settings(self) -> dict:
+        """The arguments that shape this updater's trajectory (seed, update interval, learning rate...), plain
+        values: saved with its state, and a resume with other ones is refused
+        (:func:`~jcsaug.engine.resume.check_resume_matches`)."""
+        return dict(self._settings)
+
     def state_dict(self) -> dict:
         """Tensors and plain Python values only (loads with ``torch.load(weights_only=True)``)."""
         state = {
+            "settings": self.resume_settings(),  # read by resume checks, never loaded
             "policy": self.policy.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "generator": self.generator.get_state(),

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import gc
 import os
+from typing import Any
 
+import ignite.distributed as idist
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["ACCELERATORS", "rank_device", "release_ddp", "shutdown_distributed"]
+__all__ = ["ACCELERATORS", "gather_on_rank0", "rank_device", "release_ddp", "shutdown_distributed"]
 
 ACCELERATORS = ("auto", "cuda", "cpu")
 
@@ -49,6 +51,23 @@ def rank_device(accelerator: str = "auto", local_rank: int | None = None) -> tor
             "--accelerator cpu"
         )
     return torch.device(f"cuda:{local_rank}")
+
+
+def gather_on_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` (picklable: states of CPU tensors and plain values), as a list by rank on rank 0 and
+    ``None`` on the others. A collective: every rank must call it. ``[obj]`` when not distributed.
+
+    Why not ``idist.all_gather``: every rank would receive every rank's objects (per-rank states can hold
+    network-sized vectors), where only the rank that writes needs them.
+    """
+    if idist.get_world_size() == 1:
+        return [obj]
+    if dist.is_available() and dist.is_initialized():
+        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(obj, gathered, dst=0)  # NCCL: through the current CUDA device (set by the launcher)
+        return gathered
+    every = idist.all_gather(obj)  # another ignite backend (Horovod, XLA)
+    return list(every) if idist.get_rank() == 0 else None
 
 
 _DDP_GROUP_HOLDERS = ("reducer", "logger")

@@ -411,12 +411,13 @@ def check_output_dir(
     overwrite: bool | str = False,
     max_epochs: int | None = None,
     epoch_length: int | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> None:
     """A training run's ``output_dir`` must not hold another run, unless it is resumed or replaced.
 
     * nothing of a run in it (:data:`RUN_ARTEFACTS`; other files are left alone): fine;
-    * ``resume``: ``resume.pt`` must be there, saved with the same ``max_epochs``/``epoch_length``
-      (:func:`check_resume_matches`);
+    * ``resume``: ``resume.pt`` must be there, saved with the same ``max_epochs``/``epoch_length`` and run
+      ``settings`` (e.g. seed, modes, update intervals; :func:`check_resume_matches`);
     * ``overwrite``: the previous run's files and folders (:data:`RUN_ARTEFACTS` only) are deleted, by rank 0;
     * otherwise a :class:`PreflightError` saying which files are there and how to go on.
     """
@@ -434,7 +435,7 @@ def check_output_dir(
         from jcsaug.engine.checkpoints import read_checkpoint
 
         try:
-            check_resume_matches(read_checkpoint(path), path, max_epochs, epoch_length)
+            check_resume_matches(read_checkpoint(path), path, max_epochs, epoch_length, settings=settings)
         except ValueError as err:
             raise PreflightError(str(err)) from None
         return

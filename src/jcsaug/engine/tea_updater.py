@@ -102,6 +102,8 @@ class TEAPolicyUpdater(PolicyUpdater):
         (3, True)
     """
 
+    seed_offset = 7919  # the TEA's op draws are independent of a TRA updater's Gumbel noise of the same seed
+
     def __init__(
         self,
         policy: CategoricalPolicy,
@@ -129,7 +131,7 @@ class TEAPolicyUpdater(PolicyUpdater):
             lr,
             update_every,
             poly_power,
-            seed + 7919,
+            seed,
             name="TEA",
             logit_budget=logit_budget,
             frequency_scaling=estimator == "paired",
@@ -140,6 +142,7 @@ class TEAPolicyUpdater(PolicyUpdater):
             raise ValueError(f"patches must be >= 1, got {patches}")
         self.estimator = estimator
         self.patches = int(patches)
+        self._settings.update(estimator=estimator, num_copies=int(num_copies), patches=self.patches)
         self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
         if ops is None:
             from jcsaug.ops.tea import TEA_OPS

@@ -204,6 +204,10 @@ class TRAPolicyUpdater(PolicyUpdater):
         self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
         if meta_mode not in ("eval", "train"):
             raise ValueError(f"meta_mode must be 'eval' or 'train', got {meta_mode!r}")
+        self._settings.update(
+            estimator=estimator, hypergradient=str(hypergradient), val_batches=self.val_batches,
+            val_average=self.val_average, lookahead=float(lookahead), meta_mode=meta_mode,
+        )  # fmt: skip
         self.val_stream = ValidationStream(val_loader)
         self.model_optimizer = optimizer
         self.train_loss = get_loss(train_loss)
