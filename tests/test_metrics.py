@@ -321,3 +321,43 @@ def test_evaluate_cases_gives_the_mean_dice_of_the_reported_classes(tmp_path):
         with pytest.raises(ValueError, match="not foreground classes 1..2"):
             evaluate_cases(Shrunk(), cases, lambda e: volumes[e["i"]], {"none": SimpleInferer()}, 3, spacing=1.0,
                            progress=False, report_classes=bad)  # fmt: skip
+
+
+class _Threshold(torch.nn.Module):
+    """Voxel-wise 'network': class 1 where the image is above 0.5."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([0.5 - x, x - 0.5], dim=1)
+
+
+def test_saved_predictions_have_the_input_grid_uint8_and_optional_largest_component(tmp_path):
+    """Read in RAS for the network, saved back on the image's own axes (shape, affine, voxel order), as uint8 class
+    maps; ``keep_largest_component`` as the evaluation does; inputs of the same file name refused."""
+    from monai.inferers import SimpleInferer
+
+    from jcsaug.inference import predict_cases
+
+    raw = np.zeros((12, 10, 8), np.float32)
+    raw[2:6, 3:7, 1:4] = 1.0  # the lesion
+    raw[10, 8, 6] = 1.0  # a one-voxel blob apart from it
+    affine = np.array([[0, 0, -2.0, 10], [-1.5, 0, 0, 5], [0, 1.0, 0, -3], [0, 0, 0, 1]])  # axes permuted, flipped
+    path = tmp_path / "in" / "case.nii.gz"
+    path.parent.mkdir()
+    nib.save(nib.Nifti1Image(raw, affine), path)
+    for keep, out_dir in ((False, tmp_path / "plain"), (True, tmp_path / "largest")):
+        written = predict_cases(_Threshold(), [{"image": str(path)}], SimpleInferer(), out_dir, progress=False,
+                                keep_largest_component=keep)  # fmt: skip
+        saved = nib.load(str(written[0]))
+        np.testing.assert_allclose(saved.affine, affine, atol=1e-5)
+        assert saved.get_data_dtype() == np.uint8
+        expected = (raw > 0.5).astype(np.uint8)
+        if keep:
+            expected[10, 8, 6] = 0
+        np.testing.assert_array_equal(np.asarray(saved.dataobj), expected)
+    other = tmp_path / "other" / "case.nii.gz"
+    other.parent.mkdir()
+    nib.save(nib.Nifti1Image(raw, affine), other)
+    with pytest.raises(ValueError, match=r"several input images are named \['case'\]"):
+        predict_cases(_Threshold(), [{"image": str(path)}, {"image": str(other)}], SimpleInferer(), tmp_path / "x",
+                      progress=False)  # fmt: skip
+    assert not (tmp_path / "x").exists()

@@ -228,3 +228,16 @@ def test_network_patch_sizes_and_unknown_name():
         make_network("nnformer", 1, 2, 64)
     with pytest.raises(KeyError):
         network_patch_sizes("nnformer", 64)
+
+
+def test_the_bundles_deepmedic_inferer_pads_with_zeros_as_training_does():
+    """Training patches are cut from volumes zero-padded by the context margin (the bundles' BorderPadd): at test
+    time a border voxel must see the same zeros, not a mirror of the volume."""
+    from jcsaug.networks.factory import deepmedic_inferer
+
+    net = tiny_deepmedic(segment_size=25)
+    inferer = deepmedic_inferer(net, None, segment=25)  # one window's output is 9³: one window for a 9³ volume
+    x = torch.randn(1, 1, 9, 9, 9)
+    with torch.no_grad():
+        expected = net(F.pad(x, [net.input_size[0] // 2 - 4] * 6))  # zeros around it, as BorderPadd in training
+        torch.testing.assert_close(inferer(x, net), expected)

@@ -237,9 +237,13 @@ def deepmedic_inferer(
     network: nn.Module, patch_size: SizeLike, sw_batch_size: int = 4, segment: SizeLike = 45, **_: object
 ) -> Inferer:
     """:class:`ValidConvSlidingWindowInferer` tiling volumes with normal-pathway segments of ``segment`` (45³ as
-    the reference, each predicting 29³)."""
+    the reference, each predicting 29³). The context beyond the volume is zeros (the mean after z-scoring), as the
+    bundles pad the volumes the training patches are cut from (``BorderPadd``): a voxel near the border sees the
+    context it was trained with (the reference mirrors at inference)."""
     output = tuple(s - network.shrink for s in _patch(segment))
-    return ValidConvSlidingWindowInferer.for_network(network, output, sw_batch_size=sw_batch_size)
+    return ValidConvSlidingWindowInferer.for_network(
+        network, output, sw_batch_size=sw_batch_size, padding_mode="constant", cval=0.0
+    )
 
 
 @dataclass(frozen=True)
