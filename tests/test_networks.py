@@ -241,3 +241,32 @@ def test_the_bundles_deepmedic_inferer_pads_with_zeros_as_training_does():
     with torch.no_grad():
         expected = net(F.pad(x, [net.input_size[0] // 2 - 4] * 6))  # zeros around it, as BorderPadd in training
         torch.testing.assert_close(inferer(x, net), expected)
+
+
+def test_deepmedic_checkpoints_keep_their_subsampling_and_older_ones_load_as_average_pooled(tmp_path):
+    """The subsampling has no weights: a checkpoint records it (extra state) and a network loading it takes it; a
+    checkpoint from before it was recorded was trained with the then default, average pooling."""
+    from jcsaug.engine.checkpoints import load_checkpoint, save_checkpoint_atomic
+    from jcsaug.engine.posthoc import learn_tea_posthoc
+
+    pooled = tiny_deepmedic(segment_size=25, subsample_mode="avg")
+    save_checkpoint_atomic(tmp_path / "c.pt", {"network": pooled})
+    loaded = tiny_deepmedic(segment_size=25)
+    assert loaded.subsample_mode == "strided"
+    load_checkpoint(tmp_path / "c.pt", {"network": loaded})
+    x = torch.randn(1, 1, *loaded.input_size)
+    with torch.no_grad():
+        assert loaded.subsample_mode == "avg" and torch.equal(loaded(x), pooled(x))
+    legacy = {k: v for k, v in pooled.state_dict().items() if not k.endswith("_extra_state")}
+    torch.save({"network": legacy}, tmp_path / "old.pt")
+    old = tiny_deepmedic(segment_size=25)
+    with pytest.warns(UserWarning, match="without its subsample_mode"):
+        load_checkpoint(tmp_path / "old.pt", {"network": old})
+    with torch.no_grad():
+        assert old.subsample_mode == "avg" and torch.equal(old(x), pooled(x))
+    with pytest.raises(ValueError, match="subsample_mode must be one of"):
+        old.set_extra_state({"subsample_mode": "max"})
+    # the post-hoc TEA's check that the frozen network stays unchanged reads only its tensors
+    label = torch.zeros(1, 1, *loaded.output_size, dtype=torch.long)  # DeepMedic: labels of its output region
+    label[..., 2:7, 2:7, 2:7] = 1
+    learn_tea_posthoc(loaded, [{"image": x, "label": label}], iterations=1, num_copies=2, progress=False)

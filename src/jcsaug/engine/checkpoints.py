@@ -122,12 +122,17 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict:
     return dict(state)
 
 
+_EXTRA_STATE = "_extra_state"  # torch.nn.Module's state-dict key suffix of get_extra_state()
+
+
 def _check_module_state(path: Path, name: str, module: torch.nn.Module, state: Any, strict: bool) -> None:
     if not isinstance(state, Mapping):
         raise ValueError(f"checkpoint {path}: entry {name!r} is a {type(state).__name__}, expected a state dict")
-    expected = module.state_dict()
+    # a module's extra state (``get_extra_state``: not a tensor, e.g. DeepMedic's subsampling) is its own to check
+    # and to default when a checkpoint from before it was saved lacks it (``_load_from_state_dict``)
+    expected = {k: v for k, v in module.state_dict().items() if not k.endswith(_EXTRA_STATE)}
     missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
+    unexpected = [k for k in state if k not in expected and not k.endswith(_EXTRA_STATE)]
     if strict and (missing or unexpected):
         raise ValueError(
             f"checkpoint {path}: state {name!r} does not fit the {type(module).__name__} "

@@ -64,7 +64,8 @@ def gather_on_rank0(obj: Any) -> list[Any] | None:
         return [obj]
     if dist.is_available() and dist.is_initialized():
         gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(obj, gathered, dst=0)  # NCCL: through the current CUDA device (set by the launcher)
+        # NCCL: through the current CUDA device, which the caller must have set (the bundles: torch.cuda.set_device)
+        dist.gather_object(obj, gathered, dst=0)
         return gathered
     every = idist.all_gather(obj)  # another ignite backend (Horovod, XLA)
     return list(every) if idist.get_rank() == 0 else None

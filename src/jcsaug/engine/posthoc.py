@@ -34,7 +34,8 @@ def learn_tea_posthoc(
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     policy = policy or make_tea_policy("nnunet")
-    frozen = {n: p.detach().clone() for n, p in network.state_dict().items()}
+    # tensors only: a module's extra state (DeepMedic's subsampling) is not one
+    frozen = {n: t.detach().clone() for n, t in network.state_dict().items() if isinstance(t, torch.Tensor)}
     engine = Engine(lambda engine, batch: None)  # the model is never updated
     updater = TEAPolicyUpdater(
         policy, network, val_loader, lr=lr, num_copies=num_copies, seed=seed, estimator=estimator
@@ -44,7 +45,7 @@ def learn_tea_posthoc(
     if progress:
         ProgressBar(desc="post-hoc TEA", persist=True).attach(engine)
     engine.run(range(iterations), max_epochs=1)
-    changed = [n for n, t in network.state_dict().items() if not torch.equal(t, frozen[n])]
+    changed = [n for n, t in network.state_dict().items() if n in frozen and not torch.equal(t, frozen[n])]
     if changed:  # pragma: no cover - a guard, the updater never steps the network
         raise RuntimeError(f"post-hoc TEA changed the frozen network: {changed[:3]}")
     return policy

@@ -38,8 +38,11 @@ what makes the output size a simple function of the input size for all output si
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,6 +51,10 @@ import torch.nn.functional as F
 from monai.inferers import Inferer
 from monai.networks.layers import Conv, Pool
 from monai.networks.layers.utils import get_act_layer, get_norm_layer
+
+logger = logging.getLogger(__name__)
+#: how a context pathway subsamples its crop: every f-th voxel (the reference), or f³ average pooling
+SUBSAMPLE_MODES = ("strided", "avg")
 
 __all__ = [
     "DeepMedic",
@@ -260,8 +267,8 @@ class DeepMedic(nn.Module):
         factors = tuple(int(f) for f in subsample_factors)
         if any(f < 2 or f % 2 == 0 for f in factors):
             raise ValueError(f"subsample factors must be odd integers >= 3 (centred grids), got {factors}")
-        if subsample_mode not in ("avg", "strided"):
-            raise ValueError(f"subsample_mode must be 'avg' or 'strided', got {subsample_mode!r}")
+        if subsample_mode not in SUBSAMPLE_MODES:
+            raise ValueError(f"subsample_mode must be one of {SUBSAMPLE_MODES}, got {subsample_mode!r}")
         if len(fc_kernel_sizes) != len(fc_feature_maps):
             raise ValueError("fc_kernel_sizes needs one entry per fc_feature_maps entry")
         n_fc = len(fc_feature_maps) + 1
@@ -367,6 +374,38 @@ class DeepMedic(nn.Module):
         """Centre-crop a label patch of ``input_size`` (default: its own size) to this network's output region."""
         size = tuple(label.shape[-self.spatial_dims :]) if input_size is None else input_size
         return crop_label_to_output(label, self.output_size_for(size))
+
+    # ---- checkpoints: the subsampling is no parameter, but a checkpoint is only the same network with it --------
+    def get_extra_state(self) -> dict:
+        """Saved as ``_extra_state`` in the state dict: how the context pathways subsample (no weights tell)."""
+        return {"subsample_mode": self.subsample_mode}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Take the checkpoint's subsampling: its weights were trained with it."""
+        mode = state.get("subsample_mode") if isinstance(state, dict) else None
+        if mode not in SUBSAMPLE_MODES:
+            raise ValueError(f"DeepMedic state: subsample_mode must be one of {SUBSAMPLE_MODES}, got {state!r}")
+        if mode != self.subsample_mode:
+            logger.info("DeepMedic: subsample_mode %r of the checkpoint replaces %r", mode, self.subsample_mode)
+        self.subsample_mode = mode
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:  # fmt: skip
+        key = prefix + "_extra_state"
+        legacy = key not in state_dict
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if legacy:  # saved before the mode was recorded, when average pooling was the only default
+            if key in missing_keys:
+                missing_keys.remove(key)
+            if self.subsample_mode != "avg":
+                warnings.warn(
+                    "DeepMedic checkpoint without its subsample_mode (saved before it was recorded): loaded with "
+                    "'avg', the default it was trained with",
+                    stacklevel=2,
+                )
+            self.subsample_mode = "avg"
 
     # ---- forward ----------------------------------------------------------------------------------------------
     def _subsample(self, x: torch.Tensor, f: int) -> torch.Tensor:
