@@ -203,24 +203,27 @@ def _differences(
             saved = trainer.get(key)
             if asked is not None and saved is not None and int(asked) != int(saved):
                 found.append(("length", f"--{key} {asked}", f"{key} {saved}"))
-    saved_settings = state.get(RUN_SETTINGS)
-    if settings and isinstance(saved_settings, Mapping):  # older files have none: nothing to compare
-        for key, asked in settings.items():
-            if key in saved_settings and asked != saved_settings[key]:
-                found.append(("setting", f"--{key} {asked}", f"{key} {saved_settings[key]}"))
+    found += _setting_differences(settings or {}, state.get(RUN_SETTINGS), "--", "")
     for name, asked_settings in (updaters or {}).items():
         entry = state.get(name)
-        saved_settings = entry.get("settings") if isinstance(entry, Mapping) else None
-        if not isinstance(saved_settings, Mapping):  # saved before updaters kept their settings
-            continue
-        for key, asked in asked_settings.items():
-            if key in saved_settings and asked != saved_settings[key]:
-                found.append(("setting", f"{name}.{key} {asked}", f"{name}.{key} {saved_settings[key]}"))
+        saved = entry.get("settings") if isinstance(entry, Mapping) else None
+        found += _setting_differences(asked_settings, saved, f"{name}.", f"{name}.")
     ranks = state.get(RANK_STATES)
     saved_world = ranks.get("world_size") if isinstance(ranks, Mapping) else None
     if world_size is not None and saved_world is not None and int(world_size) != int(saved_world):
         found.append(("processes", _processes(world_size), _processes(saved_world)))
     return found
+
+
+def _setting_differences(
+    asked: Mapping[str, Any], saved: Any, asked_prefix: str, saved_prefix: str
+) -> list[tuple[str, str, str]]:
+    """The settings of ``asked`` that ``saved`` holds with another value; none when ``saved`` is no mapping (a file
+    from before these settings were saved: nothing to compare)."""
+    if not isinstance(saved, Mapping):
+        return []
+    return [("setting", f"{asked_prefix}{key} {value}", f"{saved_prefix}{key} {saved[key]}")
+            for key, value in asked.items() if key in saved and value != saved[key]]  # fmt: skip
 
 
 def _processes(count: int) -> str:
