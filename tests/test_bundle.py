@@ -10,6 +10,7 @@ import sys
 import nibabel as nib
 import pytest
 import torch
+from scipy import ndimage
 
 from helpers import run_bundle, small_dataset
 from jcsaug.policy import make_tea_policy, make_tra_policy
@@ -58,12 +59,15 @@ def test_evaluate_and_inference_configs(trained):
     run_bundle(tmp_path, "train.yaml", "evaluate.yaml", num_workers=0)
     metrics = json.loads((tmp_path / "run" / "metrics_evaluate.json").read_text())
     assert set(metrics) == {"none", "heuristic", "learned"}  # the same method names as after training
-    run_bundle(tmp_path, "train.yaml", "inference.yaml", num_workers=0)
+    # the class list as a user types it (fire passes a list): the saved maps keep one component of class 1
+    run_bundle(tmp_path, "train.yaml", "inference.yaml", num_workers=0, keep_largest_component="[1]")
     predictions = sorted((tmp_path / "run" / "predictions").glob("*_seg.nii.gz"))
     assert len(predictions) == 2
     seg = nib.load(predictions[0])
     assert seg.shape[:3] == (32, 32, 32)
     assert set(seg.get_fdata().ravel().tolist()) <= {0.0, 1.0}
+    full = ndimage.generate_binary_structure(3, 3)  # the post-processing's connectivity
+    assert all(ndimage.label(nib.load(p).get_fdata() == 1, structure=full)[1] <= 1 for p in predictions)
 
 
 def test_modes_are_overridable(tmp_path):

@@ -365,6 +365,13 @@ def test_every_setting_with_a_rule_is_checked_before_the_run(bundle):
                                                                       "the TRA policy, but a learning rate of 0"),
         ("synthetic_lesion", {"tea_patch_size": [0, 8, 8]}, "--tea_patch_size [0, 8, 8]: must be a list of positive"),
         ("kits19_tumor", {"tea_lr": 0}, "--tea_lr 0: tea_mode 'joint' learns the TEA policy, but a learning rate of 0"),
+        ("kits19_tumor", {"train_fraction": 0.7}, "--train_fraction 0.7: must be one of 0.5, 1.0"),
+        ("kits19_tumor", {"train_fraction": "half"}, "--train_fraction 'half': must be one of 0.5, 1.0"),  # first
+        ("kits19_tumor", {"tra_preset": "nnUNet"}, "--tra_preset 'nnUNet': must be one of"),
+        ("kits19_tumor", {"tra_mode": "fixed"}, "--tra_mode 'fixed' needs the policies.json to reuse"),
+        ("synthetic_lesion", {"tea_preset": "flip"}, "--tea_preset 'flip': must be one of nnunet, uniform"),
+        ("synthetic_lesion", {"tea_mode": "fixed", "tea_policy": "nope.json"}, "--tea_policy 'nope.json': must be None "
+                                                                               "or the path of a readable"),
         ("kits19_tumor", {"val_average": 2}, "--val_average 2: must be a number in (0, 1]"),
         ("kits19_tumor", {"tra_lookahead": 0}, "--tra_lookahead 0: must be a finite number >= 1"),
         ("kits19_tumor", {"cache_rate": 1.5}, "--cache_rate 1.5: must be a number in [0, 1]"),
@@ -395,3 +402,27 @@ def test_the_synthetic_bundle_reports_its_report_classes(monkeypatch, tmp_path, 
     parser = _workflow(monkeypatch, tmp_path, dataset, report_classes={"lesion": [1]}).parser
     parser.get_parsed_content("evaluate")
     assert seen["report_classes"] == {"lesion": [1]}
+
+
+@pytest.mark.parametrize(("value", "expected"), [([1], (1,)), ("[1]", (1,)), ("true", (1,)), ("task", ())])
+def test_the_synthetic_bundle_post_processes_the_classes_keep_largest_component_names(
+    monkeypatch, tmp_path, dataset, value, expected
+):
+    """The evaluation gets the classes (``task``: none, the lesions are several per case); evaluate.yaml and
+    inference.yaml (the saved segmentations) take the same ``largest_component_classes``."""
+    import jcsaug.evaluation
+
+    seen = {}
+    monkeypatch.setattr(jcsaug.evaluation, "evaluate_cases", lambda *args, **kwargs: seen.update(kwargs))
+    parser = _workflow(monkeypatch, tmp_path, dataset, keep_largest_component=value).parser
+    parser.get_parsed_content("evaluate")
+    assert seen["keep_largest_component"] == parser.get_parsed_content("largest_component_classes") == expected
+    shared = ConfigParser.load_config_files([str(CONFIGS / "evaluate.yaml"), str(CONFIGS / "inference.yaml")])
+    assert all("keep_largest_component=@largest_component_classes" in shared[k] for k in ("evaluate", "predict"))
+
+
+def test_a_class_the_bundle_does_not_have_is_refused_before_the_run(monkeypatch, tmp_path, dataset):
+    assert _refused(monkeypatch, tmp_path, dataset, keep_largest_component=[2]) == (
+        "error: bad settings:\n  --keep_largest_component [2]: class 2 is not a foreground class 1..1 (num_classes 2)"
+    )
+    assert not (tmp_path / "run").exists()

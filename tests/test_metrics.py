@@ -128,6 +128,106 @@ def test_largest_component_removes_a_small_island_per_class():
         case_metrics(pred, true, 2, 1.0)
 
 
+def _two_classes_two_components() -> torch.Tensor:
+    """Classes 1 and 2, each a 27-voxel cube and a one-voxel island apart from it."""
+    labels = _vol()
+    labels[1:4, 1:4, 1:4] = 1
+    labels[8, 8, 1] = 1
+    labels[5:8, 5:8, 5:8] = 2
+    labels[1, 8, 8] = 2
+    return labels
+
+
+#: where the islands of _two_classes_two_components are
+_ISLANDS = {1: (8, 8, 1), 2: (1, 8, 8)}
+
+
+def test_largest_component_only_of_the_chosen_classes():
+    """A class that is rightly several components (both kidneys, multifocal lesions) is left alone: ``classes``
+    (``keep_largest_component``) names the classes post-processed; True / None: all, False / []: none."""
+    from jcsaug.evaluation import component_classes
+
+    labels = _two_classes_two_components()
+    for classes, removed in (([2], {2}), ((1, 2), {1, 2}), (None, {1, 2}), ([], set())):
+        kept = largest_connected_component(labels, 3, classes=classes)
+        expected = labels.clone()
+        for c in removed:
+            expected[_ISLANDS[c]] = 0
+        assert torch.equal(kept, expected), classes
+    truth = labels.clone()
+    for at in _ISLANDS.values():
+        truth[at] = 0
+    island, none = 27 / 28, 1.0  # precision of a class with its island kept / removed
+    cases = (([2], [island, none]), ("[2]", [island, none]), ((2,), [island, none]), (True, [none, none]),
+             ("yes", [none, none]), ([1, 2], [none, none]), (False, [island, island]), ("false", [island, island]),
+             ([], [island, island]))  # fmt: skip
+    for value, precision in cases:
+        values = case_metrics(labels, truth, 3, 1.0, keep_largest_component=value)
+        assert values["precision"] == pytest.approx(precision), value
+    assert component_classes(True, 3) == (1, 2) and component_classes(None, 3) == () == component_classes("0", 3)
+    assert component_classes("[2, 1]", 3) == (1, 2) and component_classes([np.int64(2)], 3) == (2,)
+    assert component_classes("task", 3, task_classes=[2]) == (2,) == component_classes(" Task", 4, (2,))
+    with pytest.raises(ValueError, match=r"^keep_largest_component 'task': no task here"):
+        component_classes("task", 3)  # a library call has no task: the bundles pass theirs
+
+
+_FORMS = "must be true, false, task or a list of distinct foreground class ids, e.g. [1, 3]"
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ([0, 2], f"class 0 is the background; {_FORMS}"),
+        ([3], "class 3 is not a foreground class 1..2 (num_classes 3)"),
+        ("[1, 3]", "class 3 is not a foreground class 1..2 (num_classes 3)"),
+        ([-1], f"class id -1 is negative; {_FORMS}"),
+        ([1.5], f"class id 1.5 is not an integer; {_FORMS}"),
+        (["1"], f"class id '1' is not an integer; {_FORMS}"),
+        ([True], f"class id True is not an integer; {_FORMS}"),
+        ([2, 1, 2], f"class 2 is given twice; {_FORMS}"),
+        ("maybe", _FORMS),
+        (2, _FORMS),  # one class: [2]
+        ("[1,", f"not a list; {_FORMS}"),
+        ({"classes": [1]}, _FORMS),
+    ],
+)  # fmt: skip
+def test_bad_component_classes_are_refused_naming_the_value(value, reason):
+    labels = _two_classes_two_components()
+    message = f"keep_largest_component {value!r}: {reason}"
+    with pytest.raises(ValueError) as err:
+        case_metrics(labels, labels, 3, 1.0, keep_largest_component=value)
+    assert str(err.value) == message
+    if isinstance(value, list):
+        with pytest.raises(ValueError) as err:
+            largest_connected_component(labels, 3, classes=value)
+        assert str(err.value) == message
+
+
+class _OneHot(torch.nn.Module):
+    """Logits whose argmax is the image's class map (3 classes)."""
+
+    def forward(self, x):
+        return torch.nn.functional.one_hot(x[:, 0].long(), 3).permute(0, 4, 1, 2, 3).float()
+
+
+def test_evaluate_cases_keeps_the_largest_component_of_the_chosen_classes(tmp_path):
+    labels = _two_classes_two_components()
+    truth = labels.clone()
+    for at in _ISLANDS.values():
+        truth[at] = 0
+    data = {"image": labels[None].float(), "label": truth[None]}
+    for value, precision in (([2], [27 / 28, 1.0]), ("[2]", [27 / 28, 1.0]), (True, [1.0, 1.0]),
+                             ("false", [27 / 28, 27 / 28])):  # fmt: skip
+        metrics = evaluate_cases(_OneHot(), [{"image": "a"}], lambda e: data, {"none": SimpleInferer()}, 3,
+                                 spacing=1.0, progress=False, keep_largest_component=value)  # fmt: skip
+        assert metrics["none"]["per_case"][0]["precision"] == pytest.approx(precision), value
+    out = tmp_path / "metrics.json"
+    with pytest.raises(ValueError, match=r"^keep_largest_component \[3\]: class 3 is not a foreground class 1..2"):
+        evaluate_cases(_OneHot(), [{"image": "a"}], lambda e: data, {"none": SimpleInferer()}, 3, spacing=1.0,
+                       progress=False, output_path=out, keep_largest_component=[3])  # fmt: skip
+    assert not out.exists()  # refused before any case is segmented
+
+
 def test_case_spacing_sources(tmp_path):
     image = torch.zeros(1, 4, 5, 6)
     assert case_spacing({"image": image, "sp": [2.0, 2.0, 3.0]}, {}, spacing_key="sp") == (
@@ -361,3 +461,27 @@ def test_saved_predictions_have_the_input_grid_uint8_and_optional_largest_compon
         predict_cases(_Threshold(), [{"image": str(path)}, {"image": str(other)}], SimpleInferer(), tmp_path / "x",
                       progress=False)  # fmt: skip
     assert not (tmp_path / "x").exists()
+
+
+def test_saved_predictions_keep_the_largest_component_of_the_chosen_classes(tmp_path):
+    """The saved maps are post-processed as the metrics are: the classes named only; bad classes refused before
+    anything is written."""
+    from jcsaug.inference import predict_cases
+
+    labels = _two_classes_two_components().numpy().astype(np.float32)
+    path = tmp_path / "case.nii.gz"
+    nib.save(nib.Nifti1Image(labels, np.eye(4)), path)
+    for i, (value, removed) in enumerate((([2], {2}), ("[2]", {2}), ((1, 2), {1, 2}), (True, {1, 2}), (False, ()))):
+        written = predict_cases(_OneHot(), [{"image": str(path)}], SimpleInferer(), tmp_path / f"out{i}",
+                                progress=False, keep_largest_component=value)  # fmt: skip
+        expected = labels.astype(np.uint8)
+        for c in removed:
+            expected[_ISLANDS[c]] = 0
+        np.testing.assert_array_equal(np.asarray(nib.load(str(written[0])).dataobj), expected, err_msg=str(value))
+    for value, message in (([3], r"keep_largest_component \[3\]: class 3 is not a foreground class 1..2"),
+                           ([0], r"keep_largest_component \[0\]: class 0 is the background"),
+                           ("task", "keep_largest_component 'task': no task here")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{message}"):
+            predict_cases(_OneHot(), [{"image": str(path)}], SimpleInferer(), tmp_path / "bad", progress=False,
+                          keep_largest_component=value)  # fmt: skip
+        assert not list(tmp_path.glob("bad/*"))

@@ -270,3 +270,24 @@ def test_deepmedic_checkpoints_keep_their_subsampling_and_older_ones_load_as_ave
     label = torch.zeros(1, 1, *loaded.output_size, dtype=torch.long)  # DeepMedic: labels of its output region
     label[..., 2:7, 2:7, 2:7] = 1
     learn_tea_posthoc(loaded, [{"image": x, "label": label}], iterations=1, num_copies=2, progress=False)
+
+
+def test_deepmedic_batchnorm_momentum_approximates_the_references_60_batch_average():
+    """DATASETS.md §7: BN inference statistics are a moving average over 60 batches; the EMA with the same mean age
+    has momentum 2 / 61. It reaches every BatchNorm (also through the factory); bad values are refused."""
+
+    def momenta(net: torch.nn.Module) -> set:
+        bns = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        assert bns
+        return {m.momentum for m in bns}
+
+    assert momenta(DeepMedic(1, 2, **TINY)) == {2 / 61}
+    assert momenta(DeepMedic.original(1, 2, **TINY)) == {2 / 61}
+    assert momenta(DeepMedic(1, 2, bn_momentum=0.25, **TINY)) == {0.25}
+    assert momenta(DeepMedic(1, 2, bn_momentum=None, **TINY)) == {None}  # PyTorch's cumulative average
+    assert momenta(make_network("deepmedic", 1, 2, 21, bn_momentum=0.5, **TINY)) == {0.5}
+    for bad in (0, -0.1, 1.5, float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="bn_momentum"):
+            DeepMedic(1, 2, bn_momentum=bad, **TINY)
+    with pytest.raises(ValueError, match="bn_momentum"):  # one place for it, not silently overridden
+        DeepMedic(1, 2, norm=("batch", {"momentum": 0.3}), **TINY)

@@ -218,6 +218,88 @@ def test_malformed_policies_json_is_refused_naming_the_file_and_the_entry(tmp_pa
     assert "\n" not in str(err.value)
 
 
+def _tra_ops(doc, group, series):
+    return doc["tra"]["groups"][group]["series"][series]["ops"]
+
+
+def _series_probabilities(policy, group, series):
+    return policy.probabilities()[series][group].double()
+
+
+def test_edited_probabilities_without_logits_make_the_policy(tmp_path):
+    """A series (or the TEA policy) whose ops give probabilities and no logits loads as log(p); a zero becomes the
+    presets' floor 1e-6 (logits are finite); other series keep their logits."""
+    tra, tea, path = _saved_policies(tmp_path)
+    doc = json.loads(path.read_text())
+    ops = _tra_ops(doc, 1, 3)  # rotate_longitudinal of group 1
+    wanted = [0.0] * len(ops)
+    wanted[0], wanted[-1] = 0.7, 0.3
+    for op, p in zip(ops, wanted):
+        op["probability"] = p
+        del op["logit"]
+    tea_wanted = np.zeros(len(doc["tea"]["ops"]))
+    tea_wanted[[0, 5]] = 0.5
+    for op, p in zip(doc["tea"]["ops"], tea_wanted):
+        op["probability"] = float(p)
+        del op["logit"]
+    path.write_text(json.dumps(doc))
+    new_tra, new_tea = load_policies(path)
+    np.testing.assert_allclose(_series_probabilities(new_tra, 1, 3).numpy(), wanted, atol=1e-5)
+    assert torch.isfinite(new_tra.logits).all() and torch.isfinite(new_tea.logits).all()
+    np.testing.assert_allclose(new_tea.probabilities()[0][0].double().numpy(), tea_wanted, atol=1e-4)
+    untouched = torch.ones_like(tra.logits, dtype=torch.bool)
+    untouched[1, tra.series_slice(3)] = False
+    assert torch.equal(new_tra.logits[untouched], tra.logits[untouched])
+    # what it writes back loads unchanged (round trip)
+    again = load_policies(save_policies(tmp_path / "again.json", new_tra, new_tea))
+    assert torch.equal(again[0].logits, new_tra.logits) and torch.equal(again[1].logits, new_tea.logits)
+
+
+def _set_probability(group, series, op, value):
+    return lambda d: _tra_ops(d, group, series)[op].update(probability=value)
+
+
+def _probabilities_only(group, series, values):
+    def edit(doc):
+        for op, p in zip(_tra_ops(doc, group, series), values):
+            op.pop("logit")
+            op["probability"] = p
+
+    return edit
+
+
+def _drop_logit(group, series, op):
+    return lambda d: _tra_ops(d, group, series)[op].pop("logit")
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (_set_probability(2, 0, 1, 0.9), r"TRA group 2, series 'scale': op '\S+': probability 0\.9 but softmax of the "
+         r"logits gives 0\.\d+; edit the logits or delete them to use the probabilities"),
+        (lambda d: d["tea"]["ops"][3].update(probability=0.5), r"TEA policy: op '\S+': probability 0\.5 but softmax"),
+        (_set_probability(0, 1, 0, "0.1"), r"TRA group 0, series '\S+': op '\S+': probability '0\.1' is not a number"),
+        (_probabilities_only(1, 3, [0.5, 0.2, 0.2, 0, 0]),
+         r"TRA group 1, series 'rotate_longitudinal': the probabilities sum to 0\.9, not 1"),
+        (_probabilities_only(1, 3, [1.2, -0.2, 0, 0, 0]), r"TRA group 1, series 'rotate_longitudinal': op '\S+': "
+         r"probability -0\.2 is not a finite number >= 0"),
+        (_drop_logit(0, 2, 1), r"TRA group 0, series '\S+': op '\S+' has no logit but other ops of the series have "
+         r"one: give every op a logit, or none"),
+        (lambda d: [op.pop(k) for op in _tra_ops(d, 0, 2) for k in ("logit", "probability")],
+         r"TRA group 0, series '\S+': op '\S+' has neither a logit nor a probability"),
+    ],
+)  # fmt: skip
+def test_probabilities_that_disagree_with_the_logits_or_are_no_distribution_are_refused(tmp_path, edit, expected):
+    """The probabilities were ignored: an edited one silently loaded the old policy."""
+    path = _saved_policies(tmp_path)[2]
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {expected}") as err:
+        load_policies(path)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_update_in_main_process_is_seen_by_workers(method):
     policy = CategoricalPolicy([3])

@@ -168,6 +168,134 @@ def test_a_bad_value_is_reported_once_not_again_with_the_settings_it_goes_with()
     assert str(err.value).count("\n") == 1 and "--tra_logit_budget 'null'" in str(err.value)
 
 
+def test_keep_largest_component_takes_a_flag_task_or_foreground_class_ids():
+    """False / True, ``task`` (the task's single-component classes) or class ids, also as the command line's string."""
+    for value in (False, "true", "NO", 1, None, "task", [1, 3], (2,), "[1, 3]", "[3,1]", []):
+        check_settings(argv=[], keep_largest_component=value, num_classes=4)
+        check_settings(argv=[], keep_largest_component=value)
+
+
+_CLASS_IDS = "must be true, false, task or a list of distinct foreground class ids, e.g. [1, 3]"
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ([0, 1], f"class 0 is the background; {_CLASS_IDS}"),
+        ([1, 1], f"class 1 is given twice; {_CLASS_IDS}"),
+        ([1.5], f"class id 1.5 is not an integer; {_CLASS_IDS}"),
+        ("[1, x]", f"not a list; {_CLASS_IDS}"),
+        ("maybe", _CLASS_IDS),
+        ([1, 4], "class 4 is not a foreground class 1..3 (num_classes 4)"),
+    ],
+)
+def test_bad_keep_largest_component_is_refused_saying_what_it_must_be(value, reason):
+    with pytest.raises(PreflightError) as err:
+        check_settings(argv=[], keep_largest_component=value, num_classes=4)
+    assert str(err.value) == f"bad settings:\n  --keep_largest_component {value!r}: {reason}"
+
+
+def test_keep_largest_component_classes_are_checked_against_a_valid_num_classes_only():
+    check_settings(argv=[], keep_largest_component=[7])  # no num_classes: the range is checked where it is used
+    with pytest.raises(PreflightError) as err:
+        check_settings(argv=[], keep_largest_component=[7], num_classes=0)
+    assert str(err.value) == "bad settings:\n  --num_classes 0: must be an integer >= 1"
+
+
+_TRA_PRESETS = "all-0.05, all-0.1, deepmedic, nnunet, randaugment-l, randaugment-m, randaugment-s, uniform"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [
+        ("tra_preset", "nnUNet", f"must be one of {_TRA_PRESETS}, or a mapping series -> probability"),
+        ("tra_preset", 0.1, f"must be one of {_TRA_PRESETS}, or a mapping series -> probability"),
+        ("tra_preset", {"gama": 0.3}, "unknown series ['gama'] in preset mapping; series are"),
+        ("tra_preset", {"base": "nnunet", "gamma": [0.5, 0.5]}, "series 'gamma': expected 4 non-negative "
+                                                                "probabilities"),
+        ("tea_preset", "deepmedic", "must be one of nnunet, uniform, or 84 probabilities"),
+        ("tea_preset", [0.5, 0.5], "TEA probabilities must be 84 non-negative numbers"),
+        ("train_fraction", 0.7, "must be one of 0.5, 1.0 (the training fractions of the paper's table)"),
+        ("train_fraction", 0, "must be one of 0.5, 1.0 (the training fractions of the paper's table)"),
+        ("train_fraction", True, "must be one of 0.5, 1.0 (the training fractions of the paper's table)"),
+        ("train_fraction", "0.5", "must be one of 0.5, 1.0 (the training fractions of the paper's table)"),
+        ("tra_policy", "no/such/policies.json", "must be None or the path of a readable policies.json file: no file "
+                                                "no/such/policies.json"),
+        ("tea_policy", 3, "must be None or the path of a readable policies.json file"),
+        ("tea_policy", "", "must be None or the path of a readable policies.json file"),
+    ],
+)  # fmt: skip
+def test_bad_presets_fractions_and_policy_files_are_refused_naming_the_id(key, value, reason):
+    """tra_preset, tea_preset, train_fraction, tra_policy and tea_policy had no rule: a bad value failed late
+    inside a config expression (or, for a train_fraction, at a split the data does not have)."""
+    with pytest.raises(PreflightError) as err:
+        check_settings(argv=[], **{key: value})
+    assert str(err.value).startswith(f"bad settings:\n  --{key} {value!r}: {reason}")
+    assert str(err.value).count("\n") == 1
+
+
+def _policies_file(tmp_path, tra=True, tea=True) -> str:
+    from jcsaug.policy import make_tea_policy, make_tra_policy
+    from jcsaug.policy.io import save_policies
+
+    path = tmp_path / "policies.json"
+    save_policies(path, make_tra_policy("nnunet") if tra else None, make_tea_policy() if tea else None)
+    return str(path)
+
+
+def test_good_presets_fractions_and_policy_files_pass(tmp_path):
+    policies = _policies_file(tmp_path)
+    check_settings(argv=[], tra_preset="deepmedic", tea_preset="uniform", train_fraction=0.5, tra_policy=None,
+                   tea_policy=None)  # fmt: skip
+    check_settings(argv=[], tra_preset={"base": "nnunet", "rotate_frontal": [0.5, 0, 0, 0, 0.5]}, tra_policy=policies,
+                   tea_preset=[1 / 84] * 84, train_fraction=1, tea_policy=Path(policies), tra_mode="fixed",
+                   tea_mode="fixed")  # fmt: skip
+    check_settings(argv=[], tra_preset={}, tea_preset=np.full(84, 1 / 84), train_fraction=1.0, tra_mode="fixed",
+                   tra_policy=policies)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"tra_mode": "fixed", "tra_policy": None}, "--tra_mode 'fixed' needs the policies.json to reuse: set "
+                                                    "tra_policy (a file path)"),
+        ({"tea_mode": "fixed", "tea_policy": None}, "--tea_mode 'fixed' needs the policies.json to reuse: set "
+                                                    "tea_policy (a file path)"),
+        ({"tea_mode": "fixed", "tea_policy": "TRA_ONLY"}, "--tea_policy 'TRA_ONLY': TRA_ONLY holds no TEA policy "
+                                                          "(tea_mode 'fixed')"),
+        ({"tra_mode": "fixed", "tra_policy": "BROKEN"}, "--tra_policy 'BROKEN': cannot read policy file BROKEN: not "
+                                                        "valid JSON"),
+    ],
+)  # fmt: skip
+def test_a_fixed_mode_needs_a_policy_file_holding_its_policy(tmp_path, settings, expected):
+    """AugmentationSetup refuses these when it is built, after the data is cached; preflight says it first."""
+    tra_only = _policies_file(tmp_path, tea=False)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    names = {"TRA_ONLY": tra_only, "BROKEN": str(broken)}
+    settings = {k: names.get(v, v) for k, v in settings.items()}
+    expected = expected.replace("TRA_ONLY", tra_only).replace("BROKEN", str(broken))
+    with pytest.raises(PreflightError) as err:
+        check_settings(argv=[], **settings)
+    assert str(err.value).startswith(f"bad settings:\n  {expected}"), str(err.value)
+
+
+def test_a_policy_file_the_mode_does_not_read_is_a_warning(tmp_path):
+    """AugmentationSetup ignores a policies.json in modes other than fixed: allowed, but said."""
+    policies = _policies_file(tmp_path)
+    with pytest.warns(
+        UserWarning,
+        match=rf"--tra_policy {re.escape(repr(policies))} is ignored: tra_mode "
+        r"'class-specific' does not read a policy file \(tra_mode fixed does\)",
+    ):
+        check_settings(argv=[], tra_mode="class-specific", tra_policy=policies)
+    with pytest.warns(UserWarning, match=r"--tea_policy .* is ignored: tea_mode 'joint'"):
+        check_settings(argv=[], tea_mode="joint", tea_policy=policies)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_settings(argv=[], tra_mode="fixed", tra_policy=policies, tea_mode="joint", tea_policy=None)
+
+
 def test_misspelled_override_id_is_refused_with_a_suggestion():
     with pytest.raises(PreflightError, match=r"unknown override id\(s\) --max_epoch \(did you mean --max_epochs\?\)"):
         check_override_ids(_argv("--max_epoch", "3", "--num_workers", "0"))

@@ -13,6 +13,7 @@ files cheaply.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import socket
@@ -168,6 +169,33 @@ def test_every_bundle_evaluates_with_its_reported_classes():
         [str(BUNDLES / "synthetic_lesion" / "configs" / name) for name in ("train.yaml", "evaluate.yaml")]
     )
     assert synthetic.get_parsed_content("report_classes") == {}
+
+
+def test_every_task_names_its_single_component_classes():
+    """The classes one connected structure anatomically (what ``--keep_largest_component task`` post-processes):
+    not KiTS's kidney (both kidneys) or tumour, not stroke lesions; a bad list is refused by the TaskSpec."""
+    cardiac = (1, 2, 3)  # LV blood pool, myocardium, RV blood pool
+    expected = {"atlas_stroke": (), "kits19_tumor": (), "btcv_abdomen": tuple(range(1, 14)),
+                "prostate_crosssite": (1,), "cardiac_crosssequence": cardiac, "cardiac_crosssite": cardiac}  # fmt: skip
+    assert {task: get_task(task).single_component_classes for task in TASK_NAMES} == expected
+    for bad in ((0,), (3,), (1, 1)):
+        with pytest.raises(ValueError, match=r"single_component_classes = .* are not distinct foreground classes"):
+            dataclasses.replace(get_task("kits19_tumor"), single_component_classes=bad)
+
+
+def test_keep_largest_component_task_takes_the_tasks_classes_in_every_merged_config():
+    """``--keep_largest_component task | true | "[2]"``: the evaluation after training, evaluate.yaml and
+    inference.yaml post-process the same classes (``largest_component_classes``); false by default (the paper)."""
+    for task in TASK_NAMES:
+        for extra, target in (((), "evaluate"), (("evaluate.yaml",), "evaluate"), (("inference.yaml",), "predict")):
+            parser = _parser(task, *extra, keep_largest_component="task")
+            assert "keep_largest_component=@largest_component_classes" in parser[target], (task, extra)
+            classes = parser.get_parsed_content("largest_component_classes")
+            assert classes == get_task(task).single_component_classes, (task, extra)
+    kits = [_parser("kits19_tumor", "evaluate.yaml", keep_largest_component=value).get_parsed_content(
+        "largest_component_classes") for value in (False, True, "true", [2], "[2]")]  # fmt: skip
+    assert kits == [(), (1, 2), (1, 2), (2,), (2,)]
+    assert _parser("kits19_tumor").get_parsed_content("keep_largest_component") is False
 
 
 def test_paper_bundles_learn_with_the_paired_estimators_and_the_papers_budgets():

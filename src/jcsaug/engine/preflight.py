@@ -25,6 +25,7 @@ import functools
 import logging
 import math
 import numbers
+import os
 import shutil
 import sys
 import warnings
@@ -159,6 +160,17 @@ def _flag(value: Any) -> str | None:
     return None
 
 
+def _component_classes(value: Any) -> str | None:
+    """``keep_largest_component``'s form (its classes against ``num_classes``: :func:`_relation_problems`)."""
+    from jcsaug.evaluation.metrics import parse_component_classes
+
+    try:
+        parse_component_classes(value)
+    except ValueError as err:
+        return str(err).removeprefix(f"keep_largest_component {value!r}: ")
+    return None
+
+
 def _one_of(choices: Iterable[str]) -> Any:
     choices = tuple(choices)
 
@@ -218,6 +230,62 @@ def _optional_patch_size(value: Any) -> str | None:
     return reason and f"{reason}, or None"
 
 
+def _tra_preset(value: Any) -> str | None:
+    """A TRA preset name, or a mapping series -> probability that :func:`~jcsaug.policy.series_probs` accepts."""
+    from jcsaug.ops.tra import TRA_SERIES
+    from jcsaug.policy.presets import TRA_PRESETS, series_probs
+
+    if isinstance(value, Mapping):
+        try:
+            series_probs(value, TRA_SERIES)
+        except (KeyError, TypeError, ValueError) as err:
+            return str(err.args[0]) if err.args else str(err)  # a KeyError's str() quotes its message
+        return None
+    reason = _registered(TRA_PRESETS)(value)
+    return reason and f"{reason}, or a mapping series -> probability"
+
+
+def _tea_preset(value: Any) -> str | None:
+    """A TEA preset name, or one probability per TEA op (what :func:`~jcsaug.policy.tea_probs` accepts)."""
+    from jcsaug.ops.tea import TEA_OPS
+    from jcsaug.policy.presets import TEA_PRESETS, tea_probs
+
+    if isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, str):
+        try:
+            tea_probs(value, len(TEA_OPS))
+        except (TypeError, ValueError) as err:
+            return str(err)
+        return None
+    reason = _registered(TEA_PRESETS)(value)
+    return reason and f"{reason}, or {len(TEA_OPS)} probabilities"
+
+
+def _train_fraction(value: Any) -> str | None:
+    """A training fraction of the paper's table (any task's): the prepared data has a training split for those only
+    (``training`` for 1.0, ``training_50`` for 0.5: :func:`jcsaug.tasks.load_split`)."""
+    from jcsaug.tasks.registry import TASKS
+
+    fractions = sorted({1.0} | {float(f) for _, task in TASKS.items() for row in task.paper_settings.values()
+                                for f in row})  # fmt: skip
+    if _finite(value) and float(value) in fractions:
+        return None
+    return f"must be one of {', '.join(map(str, fractions))} (the training fractions of the paper's table)"
+
+
+def _policy_file(value: Any) -> str | None:
+    """``None`` or a readable file (whether it must be one, and holds the policy: :func:`_relation_problems`)."""
+    if value is None:
+        return None
+    reason = "must be None or the path of a readable policies.json file"
+    if not isinstance(value, (str, Path)) or not str(value):
+        return reason
+    if not Path(value).is_file():
+        return f"{reason}: no file {value}"
+    if not os.access(value, os.R_OK):
+        return f"{reason}: cannot read {value}"
+    return None
+
+
 def _validators() -> dict[str, Any]:
     """id -> rule (``value -> None`` or what the value must be); the ranges are those the updaters and the modes
     accept (:class:`~jcsaug.engine.base.PolicyUpdater`, :class:`~jcsaug.engine.TRAPolicyUpdater`,
@@ -244,7 +312,8 @@ def _validators() -> dict[str, Any]:
         "tra_lookahead": _at_least(1),
         "val_average": _fraction(low_open=True),
         "cache_rate": _fraction(low_open=False),
-        **dict.fromkeys(("resume", "overwrite", "train_on_val", "keep_largest_component"), _flag),
+        **dict.fromkeys(("resume", "overwrite", "train_on_val"), _flag),
+        "keep_largest_component": _component_classes,
         "tra_mode": _one_of(TRA_MODES),
         "tea_mode": _one_of(TEA_MODES),
         "tra_estimator": _one_of(TRA_ESTIMATORS),
@@ -257,7 +326,41 @@ def _validators() -> dict[str, Any]:
         "tea_z": _tea_z,
         "patch_size": _patch_size,
         "tea_patch_size": _optional_patch_size,
+        "tra_preset": _tra_preset,
+        "tea_preset": _tea_preset,
+        "train_fraction": _train_fraction,
+        **dict.fromkeys(("tra_policy", "tea_policy"), _policy_file),
     }
+
+
+def _policy_file_problems(
+    which: str, mode: Any, settings: Mapping[str, Any], valid: Callable[[str], bool]
+) -> list[str]:
+    """What :meth:`AugmentationSetup._policy_from_file` would refuse for the ``which`` (``"tra"``/``"tea"``) policy
+    file, checked only where both the mode and the file were given and are valid."""
+    key = f"{which}_policy"
+    if mode is None or not valid(key):
+        return []
+    path = settings[key]
+    if not mode.from_file:
+        if path is not None:
+            warnings.warn(
+                f"--{key} {path!r} is ignored: {which}_mode {mode.name!r} does not read a policy file "
+                f"({which}_mode fixed does)",
+                stacklevel=5,  # check_settings' caller
+            )
+        return []
+    if path is None:
+        return [f"--{which}_mode {mode.name!r} needs the policies.json to reuse: set {key} (a file path)"]
+    from jcsaug.policy.io import load_policies
+
+    try:
+        policy = load_policies(path)[0 if which == "tra" else 1]
+    except ValueError as err:
+        return [f"--{key} {path!r}: {err}"]
+    if policy is None:
+        return [f"--{key} {path!r}: {path} holds no {which.upper()} policy ({which}_mode {mode.name!r})"]
+    return []
 
 
 def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]) -> list[str]:
@@ -267,7 +370,10 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
       ``posthoc_lr``) leaves the policy at its preset while the run reports it as learned: refused, since the modes
       that keep a policy as it is say so (``heuristic``, ``fixed``);
     * the paired TEA estimator scores each of its Z copies with another non-identity op (at most 83);
-    * the paired TRA estimator needs at least one counterfactual copy.
+    * the paired TRA estimator needs at least one counterfactual copy;
+    * the classes ``keep_largest_component`` names are foreground classes ``1..num_classes-1``;
+    * a ``fixed`` mode (``from_file``) needs ``tra_policy`` / ``tea_policy`` holding its policy, as
+      :class:`~jcsaug.engine.AugmentationSetup` does; a file given to another mode is ignored there: a warning.
     """
     from jcsaug.engine.modes import get_tea_mode, get_tra_mode
     from jcsaug.ops.tea import TEA_OPS
@@ -302,6 +408,15 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
             f"--tra_counterfactuals {k!r}: the paired TRA estimator (tra_estimator paired) of tra_mode {tra.name!r} "
             "needs at least 1 counterfactual copy per training patch"
         )
+    for which, mode in (("tra", tra), ("tea", tea)):
+        problems += _policy_file_problems(which, mode, settings, valid)
+    if valid("keep_largest_component") and valid("num_classes"):  # 'task': the TaskSpec checks its own classes
+        from jcsaug.evaluation.metrics import component_classes
+
+        try:
+            component_classes(settings["keep_largest_component"], settings["num_classes"], task_classes=())
+        except ValueError as err:
+            problems.append(f"--{err}")
     return problems
 
 

@@ -4,7 +4,9 @@ from jcsaug.evaluation.metrics import (
     HIGHER_IS_BETTER,
     METRICS,
     case_metrics,
+    component_classes,
     largest_connected_component,
+    parse_component_classes,
     summarize_cases,
 )
 from jcsaug.evaluation.report import Report, ReportError, build_report, build_report_parser, run_report
@@ -20,8 +22,10 @@ __all__ = [
     "case_dice",
     "case_metrics",
     "case_spacing",
+    "component_classes",
     "evaluate_cases",
     "largest_connected_component",
+    "parse_component_classes",
     "per_case_csv",
     "run_report",
     "summarize_cases",

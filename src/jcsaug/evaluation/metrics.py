@@ -20,7 +20,9 @@ spacing in mm, so anisotropic images are measured correctly.
 
 from __future__ import annotations
 
+import ast
 import math
+import numbers
 import warnings
 from collections.abc import Sequence
 
@@ -35,6 +37,8 @@ from monai.metrics import (
 from monai.networks.utils import one_hot
 from scipy import ndimage
 
+from jcsaug.utils import as_flag
+
 METRICS: tuple[str, ...] = ("dice", "sensitivity", "precision", "hd95")
 """The metrics computed per case and class, in table order."""
 
@@ -43,6 +47,14 @@ HIGHER_IS_BETTER: dict[str, bool] = {"dice": True, "sensitivity": True, "precisi
 STATUSES: tuple[str, ...] = ("ok", "both_empty", "label_empty", "prediction_empty")
 
 Spacing = float | Sequence[float] | None
+
+#: a ``keep_largest_component`` setting: a flag, ``"task"`` or foreground class ids (see :func:`component_classes`)
+ComponentClasses = bool | str | Sequence[int] | None
+
+TASK_COMPONENT_CLASSES = "task"
+"""``keep_largest_component="task"``: the task's :attr:`~jcsaug.tasks.TaskSpec.single_component_classes`."""
+
+_COMPONENT_FORMS = "true, false, task or a list of distinct foreground class ids, e.g. [1, 3]"
 
 
 def _as_label_map(labels: torch.Tensor | np.ndarray, spatial_dims: int | None) -> torch.Tensor:
@@ -69,20 +81,103 @@ def _spacing_list(spacing: Spacing, spatial_dims: int) -> list[float]:
     return values
 
 
-def largest_connected_component(
-    labels: torch.Tensor | np.ndarray, num_classes: int, connectivity: int | None = None
-) -> torch.Tensor:
-    """Keep, for each foreground class independently, only its largest connected component (rest -> 0).
+def parse_component_classes(value: ComponentClasses) -> bool | str | tuple[int, ...]:
+    """The form of a ``keep_largest_component`` setting, before its classes are checked against a task
+    (:func:`component_classes` does both).
 
-    Same semantics as MONAI's ``KeepLargestConnectedComponent(applied_labels=1..C-1, independent=True)``
-    (``connectivity``: orthogonal hops defining neighbours, None = full connectivity), but implemented
-    with :func:`scipy.ndimage.label` because MONAI's CPU implementation needs scikit-image, not a
-    dependency here. ``labels`` is a ``(*spatial)`` label map; ties keep the first component in raster order.
+    A flag (:func:`~jcsaug.utils.as_flag`: bools, ``true``/``false``/... in any case, 0/1, None) is returned as a bool,
+    ``"task"`` as it is, a list or tuple of distinct integer class ids >= 1 (also written as a string,
+    ``"[1, 3]"``) as a sorted tuple.
+
+    Raises:
+        ValueError: ``keep_largest_component <value>: <what is wrong>; must be ...``.
     """
+
+    def refuse(reason: str) -> ValueError:
+        return ValueError(f"keep_largest_component {value!r}: {reason}must be {_COMPONENT_FORMS}")
+
+    parsed: object = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == TASK_COMPONENT_CLASSES:
+            return TASK_COMPONENT_CLASSES
+        if text.startswith(("[", "(")):
+            try:
+                parsed = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                raise refuse("not a list; ") from None
+    if isinstance(parsed, (list, tuple)):
+        for c in parsed:
+            if isinstance(c, bool) or not isinstance(c, numbers.Integral):
+                raise refuse(f"class id {c!r} is not an integer; ")
+            if c < 1:
+                raise refuse(f"class {c} is the background; " if c == 0 else f"class id {c} is negative; ")
+        ids = [int(c) for c in parsed]
+        twice = sorted({c for c in ids if ids.count(c) > 1})
+        if twice:
+            raise refuse(f"class {twice[0]} is given twice; ")
+        return tuple(sorted(ids))
+    try:
+        return as_flag(value)
+    except ValueError:
+        raise refuse("") from None
+
+
+def component_classes(
+    value: ComponentClasses, num_classes: int, task_classes: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """The foreground classes a ``keep_largest_component`` setting post-processes, sorted.
+
+    ``False`` (or a false flag, None, ``[]``): none; ``True``: every foreground class ``1..num_classes-1``; a list of
+    class ids (``[1, 3]``, or the string ``"[1, 3]"`` a command line may pass): those; ``"task"``: ``task_classes``
+    (a task's :attr:`~jcsaug.tasks.TaskSpec.single_component_classes`, the classes that are one connected
+    structure; the dataset bundles pass their task's). The one parser of the setting, for the metrics, the saved
+    segmentations and the bundles' checks alike.
+
+    Raises:
+        ValueError: naming the value: not one of these forms, a class id that is not an integer, 0 (the
+            background), outside ``1..num_classes-1`` or given twice, or ``"task"`` without ``task_classes``.
+    """
+    parsed = parse_component_classes(value)
+    if parsed == TASK_COMPONENT_CLASSES:
+        if task_classes is None:
+            raise ValueError(
+                f"keep_largest_component {value!r}: no task here to take its single_component_classes from; "
+                f"give the classes, e.g. [1, 3]"
+            )
+        parsed = parse_component_classes(tuple(task_classes))
+    if isinstance(parsed, bool):
+        return tuple(range(1, num_classes)) if parsed else ()
+    outside = [c for c in parsed if c >= num_classes]
+    if outside:
+        raise ValueError(
+            f"keep_largest_component {value!r}: class {outside[0]} is not a foreground class 1..{num_classes - 1} "
+            f"(num_classes {num_classes})"
+        )
+    return tuple(parsed)
+
+
+def largest_connected_component(
+    labels: torch.Tensor | np.ndarray,
+    num_classes: int,
+    connectivity: int | None = None,
+    classes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Keep, for each of ``classes`` independently, only its largest connected component (rest -> 0).
+
+    ``classes``: foreground class ids (checked as :func:`component_classes` does); None = every foreground class.
+    Other classes are left as they are: a class that is rightly several components (both kidneys in one label,
+    multifocal lesions) must not be post-processed. Same semantics as MONAI's
+    ``KeepLargestConnectedComponent(applied_labels=classes, independent=True)`` (``connectivity``: orthogonal hops
+    defining neighbours, None = full connectivity), but implemented with :func:`scipy.ndimage.label` because MONAI's
+    CPU implementation needs scikit-image, not a dependency here. ``labels`` is a ``(*spatial)`` label map; ties
+    keep the first component in raster order.
+    """
+    selected = range(1, num_classes) if classes is None else component_classes(list(classes), num_classes)
     t = torch.as_tensor(np.asarray(labels) if not isinstance(labels, torch.Tensor) else labels).detach().cpu()
     array = t.numpy().copy()
     structure = ndimage.generate_binary_structure(array.ndim, connectivity or array.ndim)
-    for c in range(1, num_classes):
+    for c in selected:
         components, n = ndimage.label(array == c, structure=structure)
         if n > 1:
             sizes = np.bincount(components.ravel())[1:]
@@ -95,7 +190,7 @@ def case_metrics(
     true_labels: torch.Tensor | np.ndarray,
     num_classes: int,
     spacing: Spacing = None,
-    keep_largest_component: bool = False,
+    keep_largest_component: ComponentClasses = False,
 ) -> dict[str, list]:
     """Dice, sensitivity, precision and HD95 (mm) of every foreground class of one case.
 
@@ -105,7 +200,8 @@ def case_metrics(
         true_labels: ground-truth label map of the same shape.
         num_classes: number of classes including background (class 0, not scored).
         spacing: voxel size in mm per spatial axis (array order), a single number, or None (1 mm).
-        keep_largest_component: post-process the prediction with :func:`largest_connected_component`.
+        keep_largest_component: post-process the prediction with :func:`largest_connected_component`: False,
+            True (every foreground class) or the foreground class ids to post-process (see :func:`component_classes`).
 
     Returns:
         ``{"dice": [...], "sensitivity": [...], "precision": [...], "hd95": [...], "status": [...]}``, lists
@@ -119,8 +215,9 @@ def case_metrics(
     for name, t in (("prediction", pred), ("label", true)):
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_classes):
             raise ValueError(f"{name} has classes outside 0..{num_classes - 1}: {sorted(t.unique().tolist())}")
-    if keep_largest_component:
-        pred = largest_connected_component(pred, num_classes).long()
+    classes = component_classes(keep_largest_component, num_classes)
+    if classes:
+        pred = largest_connected_component(pred, num_classes, classes=classes).long()
     spacing_mm = _spacing_list(spacing, pred.ndim)
     pred_1h = one_hot(pred[None, None], num_classes)  # [1, C, *spatial]
     true_1h = one_hot(true[None, None], num_classes)

@@ -25,7 +25,15 @@ from monai.networks.utils import one_hot
 from tqdm.auto import tqdm
 
 from jcsaug.data.checks import describe_error
-from jcsaug.evaluation.metrics import METRICS, case_metrics, count_statuses, nanmean, summarize_cases
+from jcsaug.evaluation.metrics import (
+    METRICS,
+    ComponentClasses,
+    case_metrics,
+    component_classes,
+    count_statuses,
+    nanmean,
+    summarize_cases,
+)
 from jcsaug.utils import as_flag, atomic_write_text
 
 CSV_COLUMNS: tuple[str, ...] = ("method", "case", "class", *METRICS, "status")
@@ -158,7 +166,7 @@ def evaluate_cases(
     progress: bool = True,
     spacing: float | Sequence[float] | None = None,
     spacing_key: str | None = None,
-    keep_largest_component: bool = False,
+    keep_largest_component: ComponentClasses = False,
     csv_path: str | Path | None = None,
     extra: Mapping | None = None,
     strict: bool = True,
@@ -176,7 +184,10 @@ def evaluate_cases(
         spacing: voxel size in mm for all cases; None = per case from :func:`case_spacing`, else 1 mm
             (with a warning).
         spacing_key: key of the data or datalist entry holding the spacing (see :func:`case_spacing`).
-        keep_largest_component: keep only the largest connected component of each predicted class.
+        keep_largest_component: keep only the largest connected component of the predicted classes it names:
+            False, True (every foreground class) or foreground class ids, e.g. ``[1, 3]`` (also the string
+            ``"[1, 3]"`` a command line passes; :func:`~jcsaug.evaluation.metrics.component_classes`). Checked
+            before any case is segmented.
         csv_path: where to write the per-case CSV (default: ``per_case.csv`` next to ``output_path``).
         extra: more top-level entries of ``metrics.json`` besides the methods, e.g. the bundles'
             ``"policy_updates"`` (updates done and skipped per policy updater); not in the returned dict.
@@ -196,7 +207,7 @@ def evaluate_cases(
         ``"mean_dice_reported": {name: {"classes", "mean_dice"}}``) — per-case metric values are lists over the
         foreground classes; means are over the cases that did not fail.
     """
-    keep_largest_component = as_flag(keep_largest_component)  # '--keep_largest_component false' is a string
+    lcc_classes = component_classes(keep_largest_component, num_classes)  # before hours of inference
     if not cases:
         raise ValueError("no cases to evaluate")
     subsets = _report_subsets(report_classes, num_classes)  # checked before hours of inference, not after
@@ -210,7 +221,7 @@ def evaluate_cases(
             case = str(entry.get(image_key, f"case_{index}")) if isinstance(entry, Mapping) else f"case_{index}"
             try:
                 rows = _evaluate_case(network, entry, load, inferers, num_classes, device, image_key, label_key,
-                                      spacing, spacing_key, keep_largest_component, unknown_spacing, case)  # fmt: skip
+                                      spacing, spacing_key, lcc_classes, unknown_spacing, case)  # fmt: skip
             except Exception as err:  # noqa: BLE001 - recorded with its reason; the other cases go on
                 failed.append({"case": case, "error": describe_error(err)})
                 warnings.warn(f"evaluation of case {case} failed: {failed[-1]['error']}", stacklevel=2)
@@ -277,7 +288,7 @@ def _evaluate_case(
     label_key: str,
     spacing: float | Sequence[float] | None,
     spacing_key: str | None,
-    keep_largest_component: bool,
+    lcc_classes: tuple[int, ...],
     unknown_spacing: list[str],
     case: str,
 ) -> dict[str, dict]:
@@ -295,7 +306,7 @@ def _evaluate_case(
     rows = {}
     for name, inferer in inferers.items():
         pred = inferer(image, network).argmax(1)[0].cpu()
-        values = case_metrics(pred, label[0], num_classes, voxel, keep_largest_component=keep_largest_component)
+        values = case_metrics(pred, label[0], num_classes, voxel, keep_largest_component=lcc_classes)
         row = {"case": case, "dice": values["dice"], "mean_dice": _mean(values["dice"])}
         row.update({m: values[m] for m in METRICS[1:]}, status=values["status"], spacing=voxel)
         rows[name] = row

@@ -22,8 +22,12 @@ from monai.transforms import (
 )
 from tqdm.auto import tqdm
 
-from jcsaug.evaluation.metrics import largest_connected_component
-from jcsaug.utils import as_flag
+from jcsaug.evaluation.metrics import (
+    ComponentClasses,
+    component_classes,
+    largest_connected_component,
+    parse_component_classes,
+)
 
 #: the axis labels of ``Orientationd`` and ``nib.aff2axcodes`` (RAS+ world: the first label is the negative end)
 _AXIS_LABELS = (("L", "R"), ("P", "A"), ("I", "S"))
@@ -43,7 +47,7 @@ def predict_cases(
     progress: bool = True,
     orientation: str | None = "RAS",
     preprocess: Callable[[dict], dict] | None = None,
-    keep_largest_component: bool | str = False,
+    keep_largest_component: ComponentClasses = False,
 ) -> list[Path]:
     """Segment every case (``{"image": path}``) and write ``<name>_seg.nii.gz`` files (uint8 class maps) to
     ``output_dir``.
@@ -52,8 +56,11 @@ def predict_cases(
     ``preprocess`` (e.g. the dataset's intensity normalisation); the segmentation is turned back to the image's
     stored axes before it is saved, so it has the input's shape and affine voxel for voxel.
     ``keep_largest_component``: post-process as the evaluation does
-    (:func:`~jcsaug.evaluation.metrics.largest_connected_component`). The network is moved to ``device`` and put
-    in eval mode. Two inputs whose file names give the same output name are refused before anything is written.
+    (:func:`~jcsaug.evaluation.metrics.largest_connected_component`): False, True (every foreground class) or the
+    foreground class ids to post-process, e.g. ``[1, 3]`` (:func:`~jcsaug.evaluation.metrics.component_classes`;
+    its form is checked first, its classes against the network's on the first case, before anything is written).
+    The network is moved to ``device`` and put in eval mode. Two inputs whose file names give the same output name
+    are refused before anything is written.
     """
     missing = [dict(entry) for entry in cases if image_key not in entry]
     if missing:
@@ -64,7 +71,7 @@ def predict_cases(
             f"several input images are named {clashes}: their segmentations would overwrite each other in "
             f"{output_dir}; give the images distinct file names"
         )
-    keep_largest_component = as_flag(keep_largest_component)
+    parse_component_classes(keep_largest_component)  # a bad form fails before any inference
     steps = [LoadImaged(image_key, image_only=True), EnsureChannelFirstd(image_key)]
     if orientation:
         steps.append(Orientationd(image_key, axcodes=orientation, labels=_AXIS_LABELS))
@@ -82,8 +89,9 @@ def predict_cases(
             image = load(dict(entry))[image_key]
             logits = inferer(image.unsqueeze(0).to(device), network)
             seg = logits.argmax(1).to(torch.uint8).cpu()
-            if keep_largest_component:
-                seg = largest_connected_component(seg[0], logits.shape[1]).to(torch.uint8)[None]
+            classes = component_classes(keep_largest_component, logits.shape[1])
+            if classes:
+                seg = largest_connected_component(seg[0], logits.shape[1], classes=classes).to(torch.uint8)[None]
             out = MetaTensor(seg, meta=dict(image.meta)) if isinstance(image, MetaTensor) else seg
             if orientation and isinstance(image, MetaTensor) and "original_affine" in image.meta:
                 # back to the stored axes: the saved map has the input's shape and affine, not the RAS grid's

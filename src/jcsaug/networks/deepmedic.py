@@ -11,7 +11,8 @@ DeepMedic default config):
   context pathways, i.e. 51 / 85 full-resolution voxels).
 * **Blocks.** Pre-activation: norm → activation → dropout → conv; the first block of each image pathway is a bare
   conv on the raw image. Norm = BatchNorm, activation = per-channel PReLU (MONAI ``get_norm_layer`` /
-  ``get_act_layer`` factories), He (fan-in) initialisation.
+  ``get_act_layer`` factories), He (fan-in) initialisation. BN running statistics: an exponential moving average
+  with momentum 2/61 (``bn_momentum``), the same mean age as the reference's 60-batch moving average.
 * **Context.** Each context pathway reads a larger centred crop subsampled by taking every f-th voxel with no
   smoothing, like the reference sampler (``subsample_mode="strided"``, the default; ``"avg"`` average-pools f³
   blocks instead); its output is upsampled ×f by repetition (nearest)
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,6 +67,12 @@ __all__ = [
 ]
 
 SizeLike = int | Sequence[int]
+
+#: BatchNorm momentum approximating the reference's BN inference statistics, a simple moving average over the last
+#: 60 batches (``shared/DATASETS.md`` §7). PyTorch's BN only keeps an exponential moving average (or, with
+#: ``momentum=None``, the cumulative average), not a 60-slot buffer; an EMA with momentum m weights a batch k steps
+#: old by m(1-m)^k, mean age (1-m)/m, which equals the 60-batch window's mean age (60-1)/2 for m = 2/(60+1).
+DEFAULT_BN_MOMENTUM = 2 / (60 + 1)
 
 DEFAULT_FEATURE_MAPS = (30, 30, 40, 40, 40, 40, 50, 50)
 DEFAULT_RESIDUAL_LAYERS = (4, 6, 8)
@@ -121,6 +129,17 @@ def deepmedic_margin(shrink: int, subsample_factors: Sequence[int]) -> int:
     Normal pathway: ``shrink / 2``; a ×f pathway needs ``f * shrink / 2`` plus at most ``f - 1`` for centring.
     """
     return max([shrink // 2] + [f * shrink // 2 + f - 1 for f in subsample_factors])
+
+
+def _check_bn_momentum(momentum: Any, norm: str | tuple | None) -> None:
+    """ValueError unless ``momentum`` is ``None`` or a real number in (0, 1] and ``norm`` sets no momentum itself."""
+    ok = momentum is None or (
+        isinstance(momentum, numbers.Real) and not isinstance(momentum, bool) and 0 < float(momentum) <= 1
+    )
+    if not ok:
+        raise ValueError(f"DeepMedic bn_momentum must be in (0, 1] or None (cumulative average), got {momentum!r}")
+    if isinstance(norm, (tuple, list)) and len(norm) > 1 and "momentum" in dict(norm[1]):
+        raise ValueError("DeepMedic: give the BatchNorm momentum as bn_momentum, not inside norm")
 
 
 def _make_act(act: str | tuple | None, channels: int) -> nn.Module:
@@ -236,6 +255,9 @@ class DeepMedic(nn.Module):
         dropout: dropout on the inputs of each FC layer and the classifier (``len(fc_feature_maps) + 1`` values), or
             one float p meaning ``(0, p, ..., p)``.
         norm: MONAI norm name/tuple (default BatchNorm, as DeepMedic); ``None`` disables it (convs get biases).
+        bn_momentum: momentum of every BatchNorm's running statistics, in (0, 1]; default 2/61, an EMA as old on
+            average as the reference's 60-batch moving average (:data:`DEFAULT_BN_MOMENTUM`); ``None``: PyTorch's
+            cumulative average. (A ``momentum`` inside ``norm`` is refused: give it here.)
         act: MONAI activation name/tuple (default per-channel PReLU, as DeepMedic).
         spatial_dims: 3 (or 2).
     """
@@ -258,8 +280,10 @@ class DeepMedic(nn.Module):
         norm: str | tuple | None = "batch",
         act: str | tuple | None = "prelu",
         spatial_dims: int = 3,
+        bn_momentum: float | None = DEFAULT_BN_MOMENTUM,
     ) -> None:
         super().__init__()
+        _check_bn_momentum(bn_momentum, norm)
         n_layers = len(feature_maps)
         kernels = _as_tuple(kernel_sizes, n_layers, "kernel_sizes")
         if any(k % 2 == 0 or k < 1 for k in kernels + tuple(fc_kernel_sizes)):
@@ -316,6 +340,9 @@ class DeepMedic(nn.Module):
             spatial_dims, channels[-1], out_channels, 1, norm=norm, act=act, dropout=drops[-1], bias=True
         )
         self._init_weights()
+        for m in self.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.momentum = None if bn_momentum is None else float(bn_momentum)
 
     @classmethod
     def original(cls, in_channels: int, out_channels: int, segment_size: SizeLike = 25, **kwargs) -> DeepMedic:

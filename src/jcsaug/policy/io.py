@@ -10,7 +10,11 @@ Version 1 of the format (the only one so far)::
          {"name": op, "probability": p, "logit": x}, ...]}, ...]}, ...]},
      "tea": {"ops": [{"id": i, "name": op, "probability": p, "logit": x}, ...]}}
 
-``tra`` and ``tea`` are each optional; the logits are the state (the probabilities are written for reading).
+``tra`` and ``tea`` are each optional. The logits are the state; the probabilities (``softmax`` of a series'
+logits, of all ops for the TEA) are written for reading and checked on loading. To hand-make a policy, give the ops of
+a series (or of the TEA) probabilities and no logits: they load as ``log(p)`` (finite, >= 0, summing to 1 within
+``1e-3``; a 0 becomes ``1e-6``, the presets' floor, as logits are finite). A series whose stated probabilities differ
+from the softmax of its logits by more than ``1e-3``, or where only some ops have logits, is refused.
 """
 
 from __future__ import annotations
@@ -114,10 +118,63 @@ def _check_position(value: dict, key: str, expected: int, where: str) -> None:
         raise ValueError(f"{where}: {key!r} is {index!r} but the entry is number {expected} (entries are in order)")
 
 
+#: how far stated probabilities may be from the softmax of the logits, or their sum from 1 (the file writes float32s)
+PROBABILITY_TOLERANCE = 1e-3
+#: the probability a stated 0 becomes (logits are finite): the floor of ``CategoricalPolicy.set_probabilities``
+PROBABILITY_FLOOR = 1e-6
+
+
+def _number(op: dict, key: str, where: str) -> float | None:
+    """``op[key]`` as a float, ``None`` where absent; anything but a JSON number is refused."""
+    if key not in op:
+        return None
+    value = op[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: op {op['name']!r}: {key} {value!r} is not a number")
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float range
+        return math.inf
+
+
+def _from_probabilities(ops: list[dict], probs: list[float | None], where: str) -> list[float]:
+    """Logits ``log(p)`` of a series given by its probabilities (zeros floored at :data:`PROBABILITY_FLOOR`)."""
+    values: list[float] = []
+    for op, p in zip(ops, probs):
+        if p is None:
+            raise ValueError(f"{where}: op {op['name']!r} has neither a logit nor a probability")
+        if not math.isfinite(p) or p < 0:
+            bad = op["probability"]
+            raise ValueError(f"{where}: op {op['name']!r}: probability {bad!r} is not a finite number >= 0")
+        values.append(p)
+    total = math.fsum(values)
+    if abs(total - 1) > PROBABILITY_TOLERANCE:
+        raise ValueError(f"{where}: the probabilities sum to {total:.6g}, not 1 (within {PROBABILITY_TOLERANCE:g})")
+    floored = [max(p, PROBABILITY_FLOOR) for p in values]
+    norm = math.fsum(floored)
+    return [math.log(p / norm) for p in floored]
+
+
+def _check_agreement(ops: list[dict], logits: list[float], probs: list[float | None], where: str) -> None:
+    """Every stated probability must be the softmax of the logits (within :data:`PROBABILITY_TOLERANCE`)."""
+    top = max(logits)
+    e = [math.exp(x - top) for x in logits]
+    norm = math.fsum(e)
+    for op, w, p in zip(ops, e, probs):
+        if p is not None and not abs(w / norm - p) <= PROBABILITY_TOLERANCE:
+            raise ValueError(
+                f"{where}: op {op['name']!r}: probability {op['probability']!r} but softmax of the logits gives "
+                f"{w / norm:.6g}; edit the logits or delete them to use the probabilities"
+            )
+
+
 def _logits_of(ops: object, expected_names: list[str], where: str, ids: bool = False) -> list[float]:
-    """The logits of a list of ops (TEA ops: ``ids``, each may state its ``id``)."""
+    """The logits of a list of ops (TEA ops: ``ids``, each may state its ``id``): the stated logits, checked against
+    any stated probabilities, or, where no op has a logit, ``log`` of the probabilities."""
     if not isinstance(ops, list) or not all(isinstance(op, dict) for op in ops):
-        raise ValueError(f"{where}: ops must be a list of objects with 'name' and 'logit', got {ops!r:.80}")
+        raise ValueError(
+            f"{where}: ops must be a list of objects with 'name' and 'logit' (or 'probability'), got {ops!r:.80}"
+        )
     for i, op in enumerate(ops):
         _known_keys(op, _TEA_OP_KEYS if ids else _OP_KEYS, f"{where}: op {i}")
     names = [op.get("name") for op in ops]
@@ -126,14 +183,21 @@ def _logits_of(ops: object, expected_names: list[str], where: str, ids: bool = F
     if ids:
         for i, op in enumerate(ops):
             _check_position(op, "id", i, f"{where}: op {op['name']!r}")
-    logits = []
-    for op in ops:
-        value = op.get("logit")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where}: op {op['name']!r}: logit {value!r} is not a number")
-        if not math.isfinite(float(value)) or abs(float(value)) > _FLOAT32_MAX:
-            raise ValueError(f"{where}: op {op['name']!r}: logit {value!r} is not a finite float32 number")
-        logits.append(float(value))
+    stated = [_number(op, "logit", where) for op in ops]
+    probs = [_number(op, "probability", where) for op in ops]
+    if all(value is None for value in stated):
+        return _from_probabilities(ops, probs, where)
+    logits: list[float] = []
+    for op, value in zip(ops, stated):
+        if value is None:
+            raise ValueError(
+                f"{where}: op {op['name']!r} has no logit but other ops of the series have one: give every op a "
+                "logit, or none (then the probabilities are used)"
+            )
+        if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+            raise ValueError(f"{where}: op {op['name']!r}: logit {op['logit']!r} is not a finite float32 number")
+        logits.append(value)
+    _check_agreement(ops, logits, probs, where)
     return logits
 
 
@@ -143,7 +207,8 @@ def load_policies(path: str | Path) -> tuple[CategoricalPolicy | None, Categoric
     Every problem (unreadable or non-JSON file, another format or a version this jcsaug does not read, missing,
     mistyped or unknown entries, a ``num_groups`` other than the groups listed, a group's ``group`` or a TEA op's
     ``id`` other than its position, series or op names of another catalogue, logits that are not finite float32
-    numbers) is a one-line ``ValueError`` naming the file and the entry. ``version``, ``num_groups``, ``group`` and
+    numbers, probabilities that are no distribution or disagree with the logits, a series where only some ops have
+    logits) is a one-line ``ValueError`` naming the file and the entry. ``version``, ``num_groups``, ``group`` and
     ``id`` may be left out (a hand-written file); where given they are checked.
 
     Example::
@@ -190,8 +255,8 @@ def load_policies(path: str | Path) -> tuple[CategoricalPolicy | None, Categoric
                 name = _entries(entry, "series", f"{path}: TRA group {g}, series {s}", str)
                 if name != tra.series_names[s]:
                     raise ValueError(f"{path}: TRA series {s} is {name!r}, expected {tra.series_names[s]!r}")
-                ops = _entries(entry, "ops", f"{path}: series {name!r}")
-                row += _logits_of(ops, tra.op_names[s], f"{path}: series {name!r}")
+                where = f"{path}: TRA group {g}, series {name!r}"
+                row += _logits_of(_entries(entry, "ops", where), tra.op_names[s], where)
             rows.append(row)
         with torch.no_grad():
             tra.logits.copy_(torch.tensor(rows))

@@ -98,6 +98,7 @@ for _spec in (
         layout="ATLAS_2/Training/R*/sub-*/ses-1/anat/*_T1w.nii.gz + *_label-L_desc-T1lesion_mask.nii.gz",
         assign_splits=_random_rule(145, 31, 44, half=73),
         report_classes={"lesion": (1,)},
+        single_component_classes=(),  # stroke lesions: often several per brain
         source="https://fcon_1000.projects.nitrc.org/indi/retro/atlas.html (ATLAS R2.0, after accepting the terms)",
         paper_settings={
             "deepmedic": {0.5: ("dice", 1e-3), 1.0: ("dice", 2e-3)},
@@ -116,6 +117,7 @@ for _spec in (
         layout="kits19/data/case_XXXXX/imaging.nii.gz + segmentation.nii.gz",
         assign_splits=_random_rule(140, 28, 42, half=70),
         report_classes={"tumour": (2,)},
+        single_component_classes=(),  # "kidney" is both kidneys; tumours may be multifocal
         source="https://github.com/neheller/kits19 (python -m starter_code.get_imaging)",
         paper_settings={
             "deepmedic": {0.5: ("dice", 1e-3), 1.0: ("dice", 1e-3)},
@@ -136,6 +138,9 @@ for _spec in (
         assign_splits=_random_rule(20, 4, 6),
         # the paper: "Organ" (all 13) and "Organ_r" (GB, E, AO, IVC, V, PA, RA, LA)
         report_classes={"organs": tuple(range(1, 14)), "rare organs": (4, 5, 8, 9, 10, 11, 12, 13)},
+        # every label is one structure: kidneys and adrenal glands are labelled per side, the splenic vein joins the
+        # portal vein (thin vessels and glands may still be split at 3.2 mm slices: check on validation cases)
+        single_component_classes=tuple(range(1, 14)),
         source="https://www.synapse.org/#!Synapse:syn3193805 (Synapse account, join the challenge)",
         paper_settings={"deepmedic": {1.0: ("ce", 2e-3)}, "unet3d": {1.0: ("dice", 5e-4)}},
     ),
@@ -156,6 +161,7 @@ for _spec in (
             random_target=False,  # the reference lists: I2CVB Case00 validates
         ),
         report_classes={"prostate": (1,)},
+        single_component_classes=(1,),
         label_map={0: 0, 1: 1, 2: 1},  # some masks contain 2 (SAML maps 2 -> 1)
         copy_image_geometry_to_label=True,
         source="https://liuquande.github.io/SAML/ (Processed_data_nii)",
@@ -181,6 +187,7 @@ for _spec in (
             random_target=True,  # the paper: one LGE case, at random
         ),
         report_classes={"AVG": (1, 2, 3), "LV": (1,), "MYO": (2,), "RV": (3,)},  # the paper's columns
+        single_component_classes=(1, 2, 3),  # LV blood pool, myocardium (a ring, one structure), RV blood pool
         label_map={0: 0, 500: 1, 200: 2, 600: 3},
         source="https://zmiclab.github.io/zxh/0/mscmrseg19/ (registration)",
         paper_settings={"unet3d": {1.0: ("ce", 5e-4)}},
@@ -198,6 +205,7 @@ for _spec in (
         layout="Training/Labeled/<CODE>/<CODE>_sa.nii.gz + _sa_gt.nii.gz, Validation/, Testing/ + information CSV",
         assign_splits=_mnms_rule(),
         report_classes={"AVG": (1, 2, 3), "LV": (1,), "MYO": (2,), "RV": (3,)},  # the paper's columns
+        single_component_classes=(1, 2, 3),  # LV blood pool, myocardium (a ring, one structure), RV blood pool
         source="https://www.ub.edu/mnms/ (registration)",
         paper_settings={"unet3d": {1.0: ("dice", 5e-4)}},
         patch_sizes=CARDIAC_PATCHES,

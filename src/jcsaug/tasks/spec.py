@@ -76,6 +76,10 @@ class TaskSpec:
         train_on_val: the paper's final models of this task are trained on training + validation cases.
         nominal_spacing: the spacing networks are planned for (U-Net kernels and pooling) where ``spacing`` keeps
             an axis as acquired; see :attr:`planning_spacing`.
+        single_component_classes: the foreground classes that are one connected structure anatomically, whose
+            extra predicted components can only be false positives: what the bundles' ``--keep_largest_component
+            task`` post-processes (:func:`jcsaug.evaluation.metrics.component_classes`). Not a class that is rightly
+            several components: a label covering both kidneys, multifocal tumours or lesions.
     """
 
     name: str
@@ -97,6 +101,7 @@ class TaskSpec:
     max_epochs: int = 1000
     train_on_val: bool = False
     nominal_spacing: tuple[float, float, float] | None = None
+    single_component_classes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if any(s <= 0 for s in self.spacing) and self.nominal_spacing is None:
@@ -105,6 +110,10 @@ class TaskSpec:
             if not classes or not set(classes) <= set(self.labels) - {0}:
                 raise ValueError(f"task {self.name!r}: report_classes[{subset!r}] = {classes} are not foreground "
                                  f"classes of {dict(self.labels)}")  # fmt: skip
+        single = self.single_component_classes
+        if len(set(single)) != len(single) or not set(single) <= set(self.labels) - {0}:
+            raise ValueError(f"task {self.name!r}: single_component_classes = {single} are not distinct foreground "
+                             f"classes of {dict(self.labels)}")  # fmt: skip
 
     @property
     def num_classes(self) -> int:
