@@ -12,10 +12,16 @@ quiet CPU cores, about 1 min on a GPU, and the defaults make 3 modes x 3 seeds =
     python benchmarks/bench_learning_quality.py --shift gamma --modes heuristic+mirror class-specific+joint \
         oracle-partial+mirror                                                 # the default's gamma alone
     python benchmarks/bench_learning_quality.py --modes heuristic+mirror paper --set max_epochs=80
+    python benchmarks/bench_learning_quality.py --shift '{"long_axis": 1, "mirror_axis0": true, "blur": [0.8, 1.0]}'
 
-Every run is the default bundle (``bundles/synthetic_lesion/configs/train.yaml``) launched as a user would
-(``python -m monai.bundle run``) on the synthetic dataset of ``--shift`` (generated once under ``--out``), with
-the mode's overrides, ``seed`` and ``--set`` overrides. The modes (:data:`MODES`; add ``--modes`` names of it):
+``--shift`` is a name of ``jcsaug.data.synthetic.TARGET_SHIFTS`` or a JSON object of its keys (``long_axis`` 0-2,
+``mirror_axis0``, ``gamma`` and ``blur`` ranges ``[lo, hi]`` or null; a missing key: the source domain's value, no
+change in that aspect), a shift nobody tuned on. Its dataset is ``--out/data_NAME``, its runs ``--out/runs/NAME``,
+its report ``learning_quality_NAME.md`` (:func:`shift_name`: a mapping equal to a named shift is that shift,
+another ``custom-`` and a hash of the mapping), whose header gives the mapping and its description. Every run is the
+default bundle (``bundles/synthetic_lesion/configs/train.yaml``) launched as a user would (``python -m monai.bundle
+run``) on the synthetic dataset of ``--shift`` (generated once under ``--out``), with the mode's overrides,
+``seed`` and ``--set`` overrides. The modes (:data:`MODES`; add ``--modes`` names of it):
 
 * ``heuristic+mirror``: nnU-Net's heuristic TRA, nnU-Net's 8-flip mirroring TTA (the baseline);
 * ``class-specific+joint``: the bundle's defaults: class-specific TRA and TEA learned jointly;
@@ -58,12 +64,14 @@ Markdown table goes to ``--out``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -189,10 +197,42 @@ def oracle_flip_off_policy_file(out: Path, undone_by: dict, groups: tuple[int, .
     return save_policies(out / f"oracle_flip_off_group{name}_policies.json", policy)
 
 
-def prepare_dataset(out: Path, shift: str) -> tuple[Path, dict]:
+def parse_shift(text: str) -> str | dict:
+    """``--shift``: a name of ``TARGET_SHIFTS`` or a JSON object of a target domain, checked
+    (``jcsaug.data.synthetic.resolve_target_shift``; an error names the bad key and value)."""
+    from jcsaug.data.synthetic import resolve_target_shift
+
+    shift: str | dict = text
+    if text.lstrip().startswith("{"):
+        try:
+            shift = json.loads(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"not a JSON object ({err}): {text}") from None
+    try:
+        resolve_target_shift(shift)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return shift
+
+
+def shift_name(shift: str | Mapping) -> str:
+    """The shift's name in folder and file names: its ``TARGET_SHIFTS`` name (also for an equal mapping), else
+    ``custom-`` and the first 8 hex digits of the SHA-1 of the normalised mapping's canonical JSON (stable: key order,
+    lists or tuples, ``1`` or ``1.0`` do not change it)."""
+    from jcsaug.data.synthetic import CUSTOM_SHIFT, resolve_target_shift
+
+    name, target = resolve_target_shift(shift)
+    if name != CUSTOM_SHIFT:
+        return name
+    canonical = json.dumps(target, sort_keys=True, separators=(",", ":"))
+    return f"{CUSTOM_SHIFT}-{hashlib.sha1(canonical.encode()).hexdigest()[:8]}"
+
+
+def prepare_dataset(out: Path, shift: str | Mapping) -> tuple[Path, dict]:
+    """The synthetic dataset of ``shift`` under ``out/data_<shift_name>`` (made once) and its ``domain_shift``."""
     from jcsaug.data import make_synthetic_dataset
 
-    data = out / f"data_{shift}"
+    data = out / f"data_{shift_name(shift)}"
     json_path = make_synthetic_dataset(data, seed=0, target_shift=shift, progress=False)
     return data, json.loads(Path(json_path).read_text())["domain_shift"]
 
@@ -364,7 +404,9 @@ def main() -> None:
         "--modes", nargs="+", default=[BASELINE, "class-specific+joint", "oracle+mirror"], choices=sorted(MODES)
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--shift", default="default", help="target shift of the synthetic dataset (TARGET_SHIFTS)")
+    parser.add_argument("--shift", default="default", type=parse_shift,
+                        help="target shift of the synthetic dataset: a name of TARGET_SHIFTS or a JSON object of its "
+                        "keys, e.g. '{\"long_axis\": 1, \"mirror_axis0\": true, \"blur\": [0.8, 1.0]}'")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="cpu, cuda, or auto (the bundle's own choice)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time")
     parser.add_argument("--set", nargs="*", default=[], metavar="ID=VALUE", help="bundle overrides for every run")
@@ -382,6 +424,10 @@ def main() -> None:
     )
     args = parser.parse_args()  # fmt: skip
 
+    from jcsaug.data.synthetic import describe_shift, resolve_target_shift
+
+    name, target = shift_name(args.shift), resolve_target_shift(args.shift)[1]
+    about = f"`{json.dumps(target)}`: {describe_shift(target)}"
     data, shift = prepare_dataset(args.out, args.shift)
     undone_by = shift["undone_by"]
     common = dict(item.split("=", 1) for item in args.set)
@@ -391,20 +437,22 @@ def main() -> None:
     if args.tea_z is not None:
         common["tea_z"] = str(args.tea_z)  # the runs test with the z the rank targets are judged by
     modes = [BASELINE] + [m for m in args.modes if m != BASELINE]
+    policy_dir = args.out / "runs" / name  # the oracle policy files of this shift (another shift's are its own)
+    policy_dir.mkdir(parents=True, exist_ok=True)
     jobs = []
     for mode in modes:
         overrides = {**MODES[mode], **common}
         if mode in TRA_ORACLE_MODES:
             overrides["tra_preset"] = json.dumps(oracle_preset(undone_by, partial=mode == "oracle-partial+mirror"))
         if mode == "heuristic+oracle-tea":
-            overrides["tea_policy"], overrides["tea_z"] = oracle_tea_policy_file(args.out, undone_by)
+            overrides["tea_policy"], overrides["tea_z"] = oracle_tea_policy_file(policy_dir, undone_by)
         if mode in ORACLE_GROUP_MODES:
-            overrides["tra_policy"] = oracle_group_policy_file(args.out, undone_by, ORACLE_GROUP_MODES[mode])
+            overrides["tra_policy"] = oracle_group_policy_file(policy_dir, undone_by, ORACLE_GROUP_MODES[mode])
         if mode in ORACLE_FLIP_OFF_MODES:
-            overrides["tra_policy"] = oracle_flip_off_policy_file(args.out, undone_by, ORACLE_FLIP_OFF_MODES[mode])
+            overrides["tra_policy"] = oracle_flip_off_policy_file(policy_dir, undone_by, ORACLE_FLIP_OFF_MODES[mode])
         for seed in args.seeds:
-            jobs.append((mode, seed, data, args.out / "runs" / args.shift / mode / f"seed{seed}", overrides))
-    print(f"shift {args.shift!r}: undone by TRA {undone_by['tra']} / TEA {undone_by['tea']}; {len(jobs)} runs")
+            jobs.append((mode, seed, data, args.out / "runs" / name / mode / f"seed{seed}", overrides))
+    print(f"shift {name!r} ({about}): undone by TRA {undone_by['tra']} / TEA {undone_by['tea']}; {len(jobs)} runs")
     results: dict[tuple[str, int], dict] = {}
     threads = threads_per_run(args.jobs, args.threads)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -417,7 +465,8 @@ def main() -> None:
                   f" ({results[key]['seconds']:.0f} s)", flush=True)  # fmt: skip
 
     settings = f", settings {' '.join(args.set)}" if args.set else ""
-    lines = [f"## Learning quality, shift `{args.shift}`, seeds {args.seeds}, device {args.device}{settings}", "",
+    lines = [f"## Learning quality, shift `{name}`, seeds {args.seeds}, device {args.device}{settings}", "",
+             f"Target domain {about}.", "",
              "| mode | " + " | ".join(f"seed {s} none / TTA" for s in args.seeds)
              + " | mean none | mean TTA | Δ TTA vs baseline | share of oracle gain | s / run |",
              "|---" * (len(args.seeds) + 6) + "|"]  # fmt: skip
@@ -451,8 +500,8 @@ def main() -> None:
     report = "\n".join(lines) + "\n"
     print("\n" + report)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"learning_quality_{args.shift}.md").write_text(report)
-    print(f"written: {args.out / f'learning_quality_{args.shift}.md'}")
+    (args.out / f"learning_quality_{name}.md").write_text(report)
+    print(f"written: {args.out / f'learning_quality_{name}.md'}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,7 +14,7 @@ import torch
 from helpers import load_benchmark
 from jcsaug.data.synthetic import TARGET_SHIFTS, shift_undoing_ops
 from jcsaug.policy import make_tea_policy, make_tra_policy
-from jcsaug.policy.io import policies_to_dict
+from jcsaug.policy.io import load_policies, policies_to_dict
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +263,74 @@ def test_tea_z_reaches_the_runs_and_the_rank_targets(bench, tmp_path, monkeypatc
     monkeypatch.setattr(bench.sys, "argv", [*argv, "--tea-z", "4", "--set", "tea_z=2"])
     with pytest.raises(SystemExit):
         bench.main()
+
+
+COMBINED = '{"long_axis": 1, "mirror_axis0": true, "blur": [0.8, 1.0]}'  # a shift no name stands for
+
+
+def test_a_json_shift_is_parsed_checked_and_named_by_its_mapping(bench):
+    assert bench.parse_shift("blur") == "blur"
+    combined = bench.parse_shift(COMBINED)
+    assert combined == {"long_axis": 1, "mirror_axis0": True, "blur": [0.8, 1.0]}
+    canonical = '{"blur":[0.8,1.0],"gamma":null,"long_axis":1,"mirror_axis0":true}'
+    name = bench.shift_name(combined)
+    assert name == f"custom-{hashlib.sha1(canonical.encode()).hexdigest()[:8]}"
+    # the same mapping written otherwise has the same name; a named shift's mapping is that shift
+    assert bench.shift_name({"mirror_axis0": True, "gamma": None, "blur": (0.8, 1), "long_axis": 1}) == name
+    assert bench.shift_name({**combined, "blur": [0.6, 0.8]}) not in (name, "blur")
+    assert bench.shift_name(bench.parse_shift('{"blur": [0.8, 1]}')) == bench.shift_name("blur") == "blur"
+    for text, shown in [('{"long_axis": 5}', "'long_axis' .* got 5"), ('{"flip": true}', r"\['flip'\]"),
+                        ('{"gamma": [2, 1]}', r"'gamma' .* got \[2, 1\]"), ('{"blur": ', "not a JSON object"),
+                        ("nope", "unknown target_shift 'nope'")]:  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError, match=shown):
+            bench.parse_shift(text)
+
+
+def test_a_json_shift_gets_its_own_dataset_runs_report_and_oracle(bench, tmp_path, monkeypatch, capsys):
+    """``--shift JSON``: its dataset, runs and report named by its mapping, its oracle read from its dataset."""
+    import jcsaug.data
+
+    real = jcsaug.data.make_synthetic_dataset
+    tiny = {"num_train": 1, "num_val": 1, "num_test": 1, "shape": (24, 24, 24)}
+    monkeypatch.setattr(jcsaug.data, "make_synthetic_dataset", lambda out, **kw: real(out, **{**kw, **tiny}))
+    seen = {}
+
+    def fake_run_one(mode, seed, data, run_dir, overrides, *rest):
+        seen[mode] = (data, run_dir, overrides)
+        policies = policies_to_dict(make_tra_policy("nnunet", 2), make_tea_policy())
+        return {"none": 50.0, "tta": 55.0, "policies": policies, "seconds": 1.0}
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    argv = ["bench", "--modes", "heuristic+mirror", "oracle+mirror", "heuristic+oracle-tea", "--seeds", "0", "--out",
+            str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(bench.sys, "argv", [*argv, "--shift", COMBINED])
+    bench.main()
+    name = bench.shift_name(json.loads(COMBINED))
+    data, run_dir, overrides = seen["oracle+mirror"]
+    first_tea = seen["heuristic+oracle-tea"][2]["tea_policy"]
+    assert data == tmp_path / f"data_{name}" and run_dir == tmp_path / "runs" / name / "oracle+mirror" / "seed0"
+    assert bench.run_settings("oracle+mirror", 0, data, overrides, "cpu")["dataset"] == f"data_{name}"
+    recorded = json.loads((data / "dataset.json").read_text())
+    assert recorded["target_shift"] == {"long_axis": 1, "mirror_axis0": True, "gamma": None, "blur": [0.8, 1.0]}
+    preset = json.loads(overrides["tra_preset"])  # the oracle: the undoing ops of the dataset's own metadata
+    assert set(preset) == {"base", "rotate_longitudinal", "mirror_sagittal", "blur_sharpen"}
+    report = (tmp_path / f"learning_quality_{name}.md").read_text()
+    assert report.startswith(f"## Learning quality, shift `{name}`")
+    mapping = '`{"long_axis": 1, "mirror_axis0": true, "gamma": null, "blur": [0.8, 1.0]}`'
+    described = "lesion long axis rotated from array axis 0 to 1, placement and bias field mirrored along axis 0, "
+    assert f"Target domain {mapping}: {described}Gaussian blur sigma 0.8-1 voxel." in report
+    # another mapping: another dataset and other runs (--reuse cannot mix them)
+    monkeypatch.setattr(bench.sys, "argv", [*argv, "--shift", '{"long_axis": 1, "blur": [0.6, 0.8]}'])
+    bench.main()
+    other = seen["oracle+mirror"]
+    assert other[0] != data and other[1].parent.parent != run_dir.parent.parent
+    assert set(json.loads(other[2]["tra_preset"])) == {"base", "rotate_longitudinal", "blur_sharpen"}
+    # each shift's oracle TEA policy file is its own (two benchmarks sharing --out do not overwrite each other's)
+    other_tea = seen["heuristic+oracle-tea"][2]["tea_policy"]
+    assert Path(first_tea).parent == tmp_path / "runs" / name and Path(other_tea).parent == other[1].parent.parent
+    first, second = load_policies(first_tea)[1], load_policies(other_tea)[1]
+    assert not torch.equal(first.logits, second.logits)  # the mirror undoes only the first shift
+    monkeypatch.setattr(bench.sys, "argv", [*argv, "--shift", '{"long_axis": 1, "gamma": [0, 2]}'])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "argument --shift: target_shift 'gamma' must be" in capsys.readouterr().err

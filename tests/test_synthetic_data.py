@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import nibabel as nib
@@ -13,8 +14,15 @@ from monai.data import load_decathlon_datalist
 from monai.transforms import LoadImaged
 from scipy import ndimage
 
-from jcsaug.data import make_synthetic_dataset
-from jcsaug.data.synthetic import SPLITS, TARGET_SHIFTS, synthesize_case
+from jcsaug.data import make_synthetic_dataset, synthetic_datalist
+from jcsaug.data.synthetic import (
+    SPLITS,
+    TARGET_SHIFTS,
+    describe_shift,
+    resolve_target_shift,
+    shift_undoing_ops,
+    synthesize_case,
+)
 
 SHAPE = (32, 32, 32)
 COUNTS = {"num_train": 4, "num_val": 2, "num_test": 3}
@@ -253,3 +261,104 @@ def test_only_empty_or_jcsaug_folders_are_written(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     assert make_synthetic_dataset(empty, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False).is_file()
+
+
+# ------------------------------------------------------------------------------- a target shift given as a mapping
+COMBINED = {"long_axis": 1, "mirror_axis0": True, "blur": [0.8, 1.0]}  # a shift no name stands for
+COMBINED_RECORDED = {"long_axis": 1, "mirror_axis0": True, "gamma": None, "blur": [0.8, 1.0]}
+
+
+def _long_axes(label: np.ndarray) -> list[int]:
+    """The array axis of largest extent of each lesion."""
+    comps, n = ndimage.label(label)
+    return [int(np.argmax(np.argwhere(comps == k).var(axis=0))) for k in range(1, n + 1)]
+
+
+def test_a_mapping_shift_makes_the_target_cases_it_asks_for_and_records_them(tmp_path: Path) -> None:
+    path = make_synthetic_dataset(tmp_path, num_train=2, num_val=2, num_test=2, shape=SHAPE, seed=1,
+                                  progress=False, target_shift=COMBINED)  # fmt: skip
+    meta = json.loads(path.read_text())
+    assert meta["target_shift"] == COMBINED_RECORDED and meta["domain_shift"]["name"] == "custom"
+    assert meta["domain_shift"]["undone_by"] == {  # a quarter turn about the third axis, the mirror, the blur
+        "tra": [{"series": "rotate_longitudinal", "op": "rot90"}, {"series": "mirror_sagittal", "op": "flip"},
+                {"series": "blur_sharpen", "op": "blur[0.8,1)"}],
+        "tea": [["rotate_longitudinal_acw_90", "rotate_longitudinal_cw_90"], ["mirror_sagittal"], ["sharpen_0.9"]],
+    }  # fmt: skip
+    assert meta["domain_shift"]["blur"]["target"] == [0.8, 1.0] and "mirrored" in meta["description"]
+    cases = _all_cases(path)
+    target = cases["validation"] + cases["test"]
+    source_axes = [a for _, lbl in cases["training"] for a in _long_axes(lbl)]
+    target_axes = [a for _, lbl in target for a in _long_axes(lbl)]
+    assert max(set(source_axes), key=source_axes.count) == 0 and max(set(target_axes), key=target_axes.count) == 1
+    centre = (SHAPE[0] - 1) / 2
+    assert np.mean([np.argwhere(lbl)[:, 0].mean() for _, lbl in cases["training"]]) < centre
+    assert np.mean([np.argwhere(lbl)[:, 0].mean() for _, lbl in target]) > centre  # mirrored placement
+    roughness = [np.abs(np.diff(img, axis=1)).mean() for img, _ in cases["training"] + target]
+    assert max(roughness[2:]) < 0.7 * min(roughness[:2])  # blurred
+    rng = np.random.default_rng(np.random.SeedSequence(1, spawn_key=(1, 0)))  # validation case 0
+    expected = synthesize_case(rng, SHAPE, {**COMBINED_RECORDED, "blur": (0.8, 1.0)})
+    np.testing.assert_array_equal(cases["validation"][0][0], expected[0])
+
+
+@pytest.mark.parametrize(
+    ("shift", "shown"),
+    [
+        ({"long_axis": 1, "sigma": 2}, r"\['sigma'\]; the keys are \['long_axis', 'mirror_axis0', 'gamma', 'blur'\]"),
+        ({"long_axis": 3}, "'long_axis' .* got 3"),
+        ({"long_axis": True}, "'long_axis' .* got True"),
+        ({"long_axis": 1.0}, r"'long_axis' .* got 1\.0"),
+        ({"mirror_axis0": 1}, "'mirror_axis0' .* got 1"),
+        ({"gamma": [0, 1.5]}, r"'gamma' .* got \[0, 1\.5\]"),
+        ({"gamma": [1.6, 1.4]}, r"'gamma' .* got \[1\.6, 1\.4\]"),
+        ({"gamma": [1.4, float("inf")]}, r"'gamma' .* got \[1\.4, inf\]"),
+        ({"gamma": 1.5}, r"'gamma' .* got 1\.5"),
+        ({"gamma": [1.0, 1.2, 1.4]}, r"'gamma' .* got \[1\.0, 1\.2, 1\.4\]"),
+        ({"blur": [-0.1, 1.0]}, r"'blur' .* 0 <= lo < hi; got \[-0\.1, 1\.0\]"),
+        ({"blur": [0.5, float("nan")]}, r"'blur' .* got \[0\.5, nan\]"),
+        ({"blur": "0.8,1"}, "'blur' .* got '0.8,1'"),
+        (3, "a mapping, got 3"),
+    ],
+)
+def test_bad_target_shift_mappings_are_refused_naming_key_and_value(tmp_path: Path, shift: object, shown: str) -> None:
+    with pytest.raises(ValueError, match=shown):
+        make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False,
+                               target_shift=shift)  # fmt: skip
+    assert not any(tmp_path.iterdir())
+
+
+def test_mappings_are_normalised_and_a_mapping_equal_to_a_named_shift_is_that_shift() -> None:
+    assert resolve_target_shift({"blur": [0.8, 1]}) == ("blur", TARGET_SHIFTS["blur"])  # JSON lists, integers
+    assert resolve_target_shift("rotate-longitudinal") == ("rotate-longitudinal", TARGET_SHIFTS["rotate-longitudinal"])
+    name, target = resolve_target_shift(COMBINED)
+    assert (name, target) == ("custom", {**COMBINED_RECORDED, "blur": (0.8, 1.0)})
+    # the source domain itself is a valid control: no shift, no undoing op
+    assert resolve_target_shift({})[1] == {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": None}
+    assert describe_shift({}) == "no shift" and shift_undoing_ops({}) == {"tra": [], "tea": []}
+    assert describe_shift(COMBINED).startswith("lesion long axis rotated from array axis 0 to 1, placement")
+
+
+def test_a_named_shift_and_the_equal_mapping_share_a_folder_another_mapping_is_flagged(tmp_path: Path) -> None:
+    kwargs = {"num_train": 1, "num_val": 1, "num_test": 1, "shape": SHAPE, "progress": False}
+    named = make_synthetic_dataset(tmp_path / "named", target_shift="blur", **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make_synthetic_dataset(tmp_path / "named", target_shift={"blur": (0.8, 1.0)}, **kwargs) == named
+        as_mapping = make_synthetic_dataset(tmp_path / "mapping", target_shift={"blur": [0.8, 1]}, **kwargs)
+    assert as_mapping.read_text() == named.read_text()  # recorded by its name, as if asked by name
+    custom = synthetic_datalist(tmp_path / "custom", target_shift=COMBINED, **kwargs)
+    before = custom.stat().st_mtime_ns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same mapping written otherwise, or any shift: the folder as it is
+        same = {"blur": (0.8, 1.0), "gamma": None, "mirror_axis0": True, "long_axis": 1}
+        assert make_synthetic_dataset(tmp_path / "custom", target_shift=same, **kwargs) == custom
+        assert make_synthetic_dataset(tmp_path / "custom", target_shift=None, **kwargs) == custom
+    other = {**COMBINED, "blur": [0.6, 0.8]}
+    with pytest.warns(UserWarning, match=r"'target_shift': \{'long_axis': 1, 'mirror_axis0': True, 'gamma': None, "
+                      r"'blur': \[0\.6, 0\.8\]\}"):  # fmt: skip
+        make_synthetic_dataset(tmp_path / "custom", target_shift=other, **kwargs)
+    for asked in ("default", "blur"):
+        with pytest.warns(UserWarning, match=f"'target_shift': '{asked}'"):
+            make_synthetic_dataset(tmp_path / "custom", target_shift=asked, **kwargs)
+    with pytest.warns(UserWarning, match=r"'target_shift': \{'long_axis': 1"):  # a named folder asked for a mapping
+        make_synthetic_dataset(tmp_path / "named", target_shift=COMBINED, **kwargs)
+    assert custom.stat().st_mtime_ns == before

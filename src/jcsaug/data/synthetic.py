@@ -28,7 +28,9 @@ intensity           z-scored                                   robustly rescaled
 :data:`TARGET_SHIFTS` names other target domains built the same way: ``rotate-longitudinal`` (lesions along array
 axis 1, no mirror, a gamma below 1), ``blur`` (no geometric change, no gamma: the z-scored image smoothed by a
 Gaussian of sigma 0.8-1 voxel, as a softer scanner would give) and ``gamma`` (the default shift's intensity
-change alone: no geometric change, the rescaled image raised to a gamma in [1.4, 1.6)).
+change alone: no geometric change, the rescaled image raised to a gamma in [1.4, 1.6)). A shift nobody named is given
+as a mapping of the same keys (:data:`SHIFT_KEYS`; :func:`resolve_target_shift`), e.g. ``{"long_axis": 1,
+"mirror_axis0": True, "blur": (0.8, 1.0)}``: lesions along array axis 1, mirrored, blurred.
 
 Layout written under ``out_dir`` (file names are unique across splits, numbered training first)::
 
@@ -60,9 +62,13 @@ from tqdm.auto import tqdm
 from jcsaug.utils import atomic_write_bytes, atomic_write_text
 
 __all__ = [
+    "CUSTOM_SHIFT",
     "SPLITS",
+    "SHIFT_KEYS",
     "TARGET_SHIFTS",
+    "describe_shift",
     "make_synthetic_dataset",
+    "resolve_target_shift",
     "shift_undoing_ops",
     "synthesize_case",
     "synthetic_datalist",
@@ -96,6 +102,11 @@ TARGET_SHIFTS: dict[str, dict] = {
     # (the catalogue's gamma rescales by each patch's own range and draws its sign), the TEA's gamma compression does
     "gamma": {"long_axis": 0, "mirror_axis0": False, "gamma": (1.4, 1.6), "blur": None},
 }
+#: the keys of a target domain; a ``target_shift`` mapping's missing keys take the source domain's values
+SHIFT_KEYS = ("long_axis", "mirror_axis0", "gamma", "blur")
+CUSTOM_SHIFT = "custom"
+"""The name recorded for a ``target_shift`` mapping that equals no :data:`TARGET_SHIFTS` entry."""
+
 _FG_RANGE = (0.011, 0.029)  # accepted foreground fraction (inside the promised 1-3 %)
 _TISSUE_LEVELS = (0.35, 0.5, 0.7)
 _NOISE_STD = 0.035
@@ -105,7 +116,10 @@ _MAX_TILT_DEG = 25.0
 _AXIS_NAMES = ("sagittal", "frontal", "longitudinal")  # array axes 0, 1, 2 after RAS (jcsaug.ops.axes)
 
 
-def _describe(target: Mapping) -> str:
+def describe_shift(target: str | Mapping) -> str:
+    """A target domain's shift (any ``target_shift``, :func:`resolve_target_shift`) in words (``"no shift"`` for the
+    source domain's own)."""
+    target = resolve_target_shift(target)[1]
     parts = []
     if target["long_axis"] != 0:
         parts.append(f"lesion long axis rotated from array axis 0 to {target['long_axis']}")
@@ -113,9 +127,61 @@ def _describe(target: Mapping) -> str:
         parts.append("placement and bias field mirrored along axis 0")
     if target["gamma"] is not None:
         parts.append(f"gamma {target['gamma'][0]:g}-{target['gamma'][1]:g} on the [0, 1]-rescaled image")
-    if target.get("blur") is not None:
+    if target["blur"] is not None:
         parts.append(f"Gaussian blur sigma {target['blur'][0]:g}-{target['blur'][1]:g} voxel")
     return ", ".join(parts) or "no shift"
+
+
+def _check_pair(key: str, value: object, open_low: bool) -> tuple[float, float] | None:
+    """A ``gamma`` / ``blur`` range: ``None`` or finite ``lo < hi`` with ``0 < lo`` (``open_low``) or ``0 <= lo``."""
+    if value is None:
+        return None
+    pair = tuple(value) if isinstance(value, (list, tuple)) else ()
+    if len(pair) == 2 and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in pair):
+        lo, hi = float(pair[0]), float(pair[1])
+        if math.isfinite(hi) and (lo > 0 if open_low else lo >= 0) and lo < hi:
+            return lo, hi
+    bound = "0 < lo < hi" if open_low else "0 <= lo < hi"
+    raise ValueError(f"target_shift {key!r} must be null or a pair [lo, hi] of finite numbers, {bound}; got {value!r}")
+
+
+def resolve_target_shift(shift: str | Mapping) -> tuple[str, dict]:
+    """``(name, target domain)`` of a ``target_shift``: a :data:`TARGET_SHIFTS` name, or a mapping of
+    :data:`SHIFT_KEYS` (a missing key: the source domain's value, no change in that aspect; ``long_axis`` 0,
+    ``mirror_axis0`` False, ``gamma`` and ``blur`` None; ranges as lists or tuples), checked and normalised (ranges
+    as float tuples). A mapping equal to a named shift gets its name, any other :data:`CUSTOM_SHIFT` (the source
+    domain itself, ``{}``, is allowed: a control with no shift).
+
+    Raises:
+        ValueError: an unknown name or key, or a value out of range (named in the message).
+    """
+    if isinstance(shift, str):
+        if shift not in TARGET_SHIFTS:
+            raise ValueError(f"unknown target_shift {shift!r}; choose one of {sorted(TARGET_SHIFTS)} or give a mapping")
+        shift = TARGET_SHIFTS[shift]
+    elif not isinstance(shift, Mapping):
+        raise ValueError(f"target_shift must be a name of TARGET_SHIFTS or a mapping, got {shift!r}")
+    unknown = [key for key in shift if key not in SHIFT_KEYS]
+    if unknown:
+        raise ValueError(f"unknown target_shift key(s) {unknown}; the keys are {list(SHIFT_KEYS)}")
+    cfg = {**_DOMAINS["source"], **shift}
+    axis, mirror = cfg["long_axis"], cfg["mirror_axis0"]
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral) or not 0 <= axis <= 2:
+        raise ValueError(f"target_shift 'long_axis' must be the integer 0, 1 or 2, got {axis!r}")
+    if not isinstance(mirror, bool):
+        raise ValueError(f"target_shift 'mirror_axis0' must be true or false, got {mirror!r}")
+    target = {"long_axis": int(axis), "mirror_axis0": mirror, "gamma": _check_pair("gamma", cfg["gamma"], True),
+              "blur": _check_pair("blur", cfg["blur"], False)}  # fmt: skip
+    return next((name for name, known in TARGET_SHIFTS.items() if known == target), CUSTOM_SHIFT), target
+
+
+def _recorded_target(found: Mapping) -> dict | None:
+    """The target domain a ``dataset.json`` records (``target_shift``: absent for the default one, else a name or a
+    mapping); ``None`` when it names none."""
+    try:
+        return resolve_target_shift(found.get("target_shift", "default"))[1]
+    except ValueError:
+        return None
 
 
 def _tra_op(series: str, kind: str, magnitude: float) -> str:
@@ -141,7 +207,7 @@ def _power_magnitude(power: float) -> float:
     return power - 1.0 if power >= 1.0 else 1.0 / power - 1.0
 
 
-def shift_undoing_ops(target: Mapping, source: Mapping = _DOMAINS["source"]) -> dict:
+def shift_undoing_ops(target: str | Mapping, source: Mapping = _DOMAINS["source"]) -> dict:
     """The TRA and TEA ops of the catalogues (SPEC §2-3) that undo a target domain's shift, by name.
 
     TRA ops make a source patch look like the target (``{"series", "op"}``, one per aspect of the shift; the gamma
@@ -150,8 +216,11 @@ def shift_undoing_ops(target: Mapping, source: Mapping = _DOMAINS["source"]) -> 
     e.g. both quarter turns). The ops are looked up in the catalogues: the TRA bin that holds the shift's magnitude
     (the nearest outside them), the TEA op of the nearest magnitude. Read by the learning-quality benchmark from
     ``dataset.json`` (its oracle sets the TRA ops by hand; it reports the learned probabilities of both), never by
-    the learning itself.
+    the learning itself. ``target`` is any ``target_shift`` (:func:`resolve_target_shift`); each aspect of a combined
+    shift is undone by its own ops: a lesion long axis turned from ``a`` to ``b`` by a quarter turn about the third
+    axis, the placement mirrored along array axis 0 by the sagittal mirror, a gamma, a blur.
     """
+    target = resolve_target_shift(target)[1]
     tra: list[dict] = []
     tea: list[list[str]] = []
     if target["long_axis"] != source["long_axis"]:  # a quarter turn about the third axis
@@ -166,7 +235,7 @@ def shift_undoing_ops(target: Mapping, source: Mapping = _DOMAINS["source"]) -> 
         magnitude = _power_magnitude(power)
         tra.append({"series": "gamma", "op": _tra_op("gamma", "gamma", magnitude), "partial": True})
         tea.append([_tea_op("gamma", magnitude, sign=-1 if power >= 1.0 else 1)])  # the exponent 1 / power
-    if target.get("blur") is not None:
+    if target["blur"] is not None:
         sigma = sum(target["blur"]) / 2.0
         tra.append({"series": "blur_sharpen", "op": _tra_op("blur_sharpen", "blur", sigma)})
         tea.append([_tea_op("sharpen", sigma)])  # x - LoG(x, sigma): undoes a blur of about that sigma, roughly
@@ -387,7 +456,7 @@ def make_synthetic_dataset(
     seed: int = 0,
     overwrite: bool = False,
     progress: bool = True,
-    target_shift: str | None = "default",
+    target_shift: str | Mapping | None = "default",
 ) -> Path:
     """Write the synthetic lesion dataset (layout and domain shift in the module docstring).
 
@@ -400,9 +469,12 @@ def make_synthetic_dataset(
             six split folders are removed first). Only in a folder jcsaug made.
         progress: show a tqdm progress bar.
         target_shift: the validation/test domain, a name of :data:`TARGET_SHIFTS` (``"default"`` is the one
-            in the module docstring). ``dataset.json``'s ``domain_shift`` describes it and names the TRA and TEA
-            ops that undo it (:func:`shift_undoing_ops`). ``None``: an existing dataset whatever its shift (e.g. a
-            benchmark's), else the default one.
+            in the module docstring) or a mapping of :data:`SHIFT_KEYS` (:func:`resolve_target_shift`).
+            ``dataset.json`` records it as ``target_shift`` (the name; the normalised mapping when it equals no named
+            shift, then ``domain_shift.name`` is ``"custom"``; absent for the default one); its ``domain_shift``
+            describes it and names the TRA and TEA ops that undo it (:func:`shift_undoing_ops`). An existing dataset
+            is compared by the shift's mapping (a name and an equal mapping are the same shift). ``None``: an
+            existing dataset whatever its shift (e.g. a benchmark's), else the default one.
 
     Returns:
         The path of ``dataset.json``. If it already exists and ``overwrite`` is False it is returned
@@ -427,24 +499,22 @@ def make_synthetic_dataset(
         raise NotADirectoryError(f"out_dir {str(out)!r} exists and is not a directory")
     json_path = out / "dataset.json"
     any_shift = target_shift is None
-    target_shift = "default" if any_shift else target_shift
-    if target_shift not in TARGET_SHIFTS:
-        raise ValueError(f"unknown target_shift {target_shift!r}; choose one of {sorted(TARGET_SHIFTS)}")
-    target = TARGET_SHIFTS[target_shift]
+    shift_name, target = resolve_target_shift("default" if target_shift is None else target_shift)
+    recorded = shift_name if shift_name != CUSTOM_SHIFT else json.loads(json.dumps(target))  # ranges as lists
     expected = {"seed": int(seed), "shape": list(dims), **{f"num_{k}": v for k, v in counts.items()}}
-    if target_shift != "default":  # (default datasets keep the keys they always had: old folders stay valid)
-        expected["target_shift"] = target_shift
+    if shift_name != "default":  # (default datasets keep the keys they always had: old folders stay valid)
+        expected["target_shift"] = recorded
 
     if json_path.is_file() and not overwrite:
         found = _read_datalist(json_path)
         # a folder without the key holds the default shift; asked for the default, another one is a mismatch too
         matches = all(found.get(k) == v for k, v in expected.items() if k != "target_shift") and (
-            any_shift or found.get("target_shift", "default") == target_shift
+            any_shift or _recorded_target(found) == target
         )
         if not matches:
             warnings.warn(
                 f"{json_path} exists but was not made with "
-                f"{expected if any_shift else {**expected, 'target_shift': target_shift}}; returning it unchanged "
+                f"{expected if any_shift else {**expected, 'target_shift': recorded}}; returning it unchanged "
                 "(pass overwrite=True to regenerate)",
                 stacklevel=2,
             )
@@ -486,7 +556,7 @@ def make_synthetic_dataset(
         "name": "jcsaug-synthetic-lesions",
         "description": (
             "Synthetic 3D lesion segmentation with a domain shift: training = source domain; validation "
-            f"and test = target domain ({_describe(target)})."
+            f"and test = target domain ({describe_shift(target)})."
         ),
         "reference": "jcsaug.data.synthetic.make_synthetic_dataset",
         "tensorImageSize": "3D",
@@ -495,7 +565,7 @@ def make_synthetic_dataset(
         **expected,
         "domain": {split: SPLITS[split][2] for split in SPLITS},
         "domain_shift": {
-            "name": target_shift,
+            "name": shift_name,
             "lesion_long_axis": {"source": 0, "target": target["long_axis"]},
             "mirror_axis": {"source": None, "target": 0 if target["mirror_axis0"] else None},
             "gamma": {"source": None, "target": None if target["gamma"] is None else list(target["gamma"])},
