@@ -191,6 +191,17 @@ def _swap_groups(doc):
     groups[0]["group"], groups[2]["group"] = 2, 0  # indices swapped: the rows would load into the wrong class groups
 
 
+def _assert_edit_refused(tmp_path, edit, expected):
+    """A saved policies.json edited by ``edit`` is refused with a one-line error naming the file, then ``expected``."""
+    path = _saved_policies(tmp_path)[2]
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {expected}") as err:
+        load_policies(path)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
@@ -209,13 +220,7 @@ def _swap_groups(doc):
 def test_malformed_policies_json_is_refused_naming_the_file_and_the_entry(tmp_path, edit, expected):
     """A wrong version, a num_groups other than the groups listed, group/op indices out of order and unknown
     (misspelled) entries were loaded silently, some into the wrong class group or as no policy at all."""
-    path = _saved_policies(tmp_path)[2]
-    doc = json.loads(path.read_text())
-    edit(doc)
-    path.write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {expected}") as err:
-        load_policies(path)
-    assert "\n" not in str(err.value)
+    _assert_edit_refused(tmp_path, edit, expected)
 
 
 def _tra_ops(doc, group, series):
@@ -291,13 +296,7 @@ def _drop_logit(group, series, op):
 )  # fmt: skip
 def test_probabilities_that_disagree_with_the_logits_or_are_no_distribution_are_refused(tmp_path, edit, expected):
     """The probabilities were ignored: an edited one silently loaded the old policy."""
-    path = _saved_policies(tmp_path)[2]
-    doc = json.loads(path.read_text())
-    edit(doc)
-    path.write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {expected}") as err:
-        load_policies(path)
-    assert "\n" not in str(err.value)
+    _assert_edit_refused(tmp_path, edit, expected)
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
