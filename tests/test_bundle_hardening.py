@@ -368,10 +368,11 @@ def test_every_setting_with_a_rule_is_checked_before_the_run(bundle):
         ("kits19_tumor", {"train_fraction": 0.7}, "--train_fraction 0.7: must be one of 0.5, 1.0"),
         ("kits19_tumor", {"train_fraction": "half"}, "--train_fraction 'half': must be one of 0.5, 1.0"),  # first
         ("kits19_tumor", {"tra_preset": "nnUNet"}, "--tra_preset 'nnUNet': must be one of"),
-        ("kits19_tumor", {"tra_mode": "fixed"}, "--tra_mode 'fixed' needs the policies.json to reuse"),
+        ("kits19_tumor", {"tra_mode": "fixed", "tra_policy": "nope.json"}, "--tra_policy 'nope.json': no file "
+                                                                           "nope.json (tra_mode 'fixed' reads"),
         ("synthetic_lesion", {"tea_preset": "flip"}, "--tea_preset 'flip': must be one of nnunet, uniform"),
-        ("synthetic_lesion", {"tea_mode": "fixed", "tea_policy": "nope.json"}, "--tea_policy 'nope.json': must be None "
-                                                                               "or the path of a readable"),
+        ("synthetic_lesion", {"tea_mode": "fixed", "tea_policy": "nope.json"}, "--tea_policy 'nope.json': no file "
+                                                                               "nope.json (tea_mode 'fixed' reads"),
         ("kits19_tumor", {"val_average": 2}, "--val_average 2: must be a number in (0, 1]"),
         ("kits19_tumor", {"tra_lookahead": 0}, "--tra_lookahead 0: must be a finite number >= 1"),
         ("kits19_tumor", {"cache_rate": 1.5}, "--cache_rate 1.5: must be a number in [0, 1]"),

@@ -186,7 +186,8 @@ _FORMS = "must be true, false, task or a list of distinct foreground class ids, 
         ([True], f"class id True is not an integer; {_FORMS}"),
         ([2, 1, 2], f"class 2 is given twice; {_FORMS}"),
         ("maybe", _FORMS),
-        (2, _FORMS),  # one class: [2]
+        (2, f"a bare number is ambiguous (the flag, or class 2?): write true/false or [2]; {_FORMS}"),
+        (1, f"a bare number is ambiguous (the flag, or class 1?): write true/false or [1]; {_FORMS}"),  # was "true"
         ("[1,", f"not a list; {_FORMS}"),
         ({"classes": [1]}, _FORMS),
     ],

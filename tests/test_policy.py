@@ -238,7 +238,7 @@ def test_edited_probabilities_without_logits_make_the_policy(tmp_path):
     doc = json.loads(path.read_text())
     ops = _tra_ops(doc, 1, 3)  # rotate_longitudinal of group 1
     wanted = [0.0] * len(ops)
-    wanted[0], wanted[-1] = 0.7, 0.3
+    wanted[0], wanted[1], wanted[-1] = 0.7, 1e-9, 0.3 - 1e-9  # a tiny probability is kept, not floored
     for op, p in zip(ops, wanted):
         op["probability"] = p
         del op["logit"]
@@ -250,6 +250,7 @@ def test_edited_probabilities_without_logits_make_the_policy(tmp_path):
     path.write_text(json.dumps(doc))
     new_tra, new_tea = load_policies(path)
     np.testing.assert_allclose(_series_probabilities(new_tra, 1, 3).numpy(), wanted, atol=1e-5)
+    assert _series_probabilities(new_tra, 1, 3)[1] == pytest.approx(1e-9, rel=1e-3)
     assert torch.isfinite(new_tra.logits).all() and torch.isfinite(new_tea.logits).all()
     np.testing.assert_allclose(new_tea.probabilities()[0][0].double().numpy(), tea_wanted, atol=1e-4)
     untouched = torch.ones_like(tra.logits, dtype=torch.bool)
@@ -281,7 +282,8 @@ def _drop_logit(group, series, op):
     ("edit", "expected"),
     [
         (_set_probability(2, 0, 1, 0.9), r"TRA group 2, series 'scale': op '\S+': probability 0\.9 but softmax of the "
-         r"logits gives 0\.\d+; edit the logits or delete them to use the probabilities"),
+         r"logits gives 0\.\d+: the stated probabilities disagree with the logits; delete the 'probability' entries "
+         r"to use the logits, or the 'logit' entries to use the probabilities"),
         (lambda d: d["tea"]["ops"][3].update(probability=0.5), r"TEA policy: op '\S+': probability 0\.5 but softmax"),
         (_set_probability(0, 1, 0, "0.1"), r"TRA group 0, series '\S+': op '\S+': probability '0\.1' is not a number"),
         (_probabilities_only(1, 3, [0.5, 0.2, 0.2, 0, 0]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import warnings
@@ -170,7 +171,7 @@ def test_a_bad_value_is_reported_once_not_again_with_the_settings_it_goes_with()
 
 def test_keep_largest_component_takes_a_flag_task_or_foreground_class_ids():
     """False / True, ``task`` (the task's single-component classes) or class ids, also as the command line's string."""
-    for value in (False, "true", "NO", 1, None, "task", [1, 3], (2,), "[1, 3]", "[3,1]", []):
+    for value in (False, "true", "NO", True, None, "task", [1, 3], (2,), "[1, 3]", "[3,1]", []):
         check_settings(argv=[], keep_largest_component=value, num_classes=4)
         check_settings(argv=[], keep_largest_component=value)
 
@@ -187,6 +188,7 @@ _CLASS_IDS = "must be true, false, task or a list of distinct foreground class i
         ("[1, x]", f"not a list; {_CLASS_IDS}"),
         ("maybe", _CLASS_IDS),
         ([1, 4], "class 4 is not a foreground class 1..3 (num_classes 4)"),
+        (1, f"a bare number is ambiguous (the flag, or class 1?): write true/false or [1]; {_CLASS_IDS}"),
     ],
 )
 def test_bad_keep_largest_component_is_refused_saying_what_it_must_be(value, reason):
@@ -219,10 +221,10 @@ _TRA_PRESETS = "all-0.05, all-0.1, deepmedic, nnunet, randaugment-l, randaugment
         ("train_fraction", 0, "must be one of 0.5, 1.0 (the training fractions of the paper's table)"),
         ("train_fraction", True, "must be one of 0.5, 1.0 (the training fractions of the paper's table)"),
         ("train_fraction", "0.5", "must be one of 0.5, 1.0 (the training fractions of the paper's table)"),
-        ("tra_policy", "no/such/policies.json", "must be None or the path of a readable policies.json file: no file "
-                                                "no/such/policies.json"),
-        ("tea_policy", 3, "must be None or the path of a readable policies.json file"),
-        ("tea_policy", "", "must be None or the path of a readable policies.json file"),
+        ("tea_preset", [math.nan] * 84, "series 'tea': probabilities must be finite and >= 0"),
+        ("tra_preset", {"gamma": [0.5, 0.5, 0, math.nan]}, "series 'gamma': "),
+        ("tea_policy", 3, "must be None or the path of a policies.json file"),
+        ("tea_policy", "", "must be None or the path of a policies.json file"),
     ],
 )  # fmt: skip
 def test_bad_presets_fractions_and_policy_files_are_refused_naming_the_id(key, value, reason):
@@ -257,10 +259,8 @@ def test_good_presets_fractions_and_policy_files_pass(tmp_path):
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [
-        ({"tra_mode": "fixed", "tra_policy": None}, "--tra_mode 'fixed' needs the policies.json to reuse: set "
-                                                    "tra_policy (a file path)"),
-        ({"tea_mode": "fixed", "tea_policy": None}, "--tea_mode 'fixed' needs the policies.json to reuse: set "
-                                                    "tea_policy (a file path)"),
+        ({"tra_mode": "fixed", "tra_policy": "no/such.json"}, "--tra_policy 'no/such.json': no file no/such.json "
+                                                              "(tra_mode 'fixed' reads the policy from it)"),
         ({"tea_mode": "fixed", "tea_policy": "TRA_ONLY"}, "--tea_policy 'TRA_ONLY': TRA_ONLY holds no TEA policy "
                                                           "(tea_mode 'fixed')"),
         ({"tra_mode": "fixed", "tra_policy": "BROKEN"}, "--tra_policy 'BROKEN': cannot read policy file BROKEN: not "
@@ -278,6 +278,15 @@ def test_a_fixed_mode_needs_a_policy_file_holding_its_policy(tmp_path, settings,
     with pytest.raises(PreflightError) as err:
         check_settings(argv=[], **settings)
     assert str(err.value).startswith(f"bad settings:\n  {expected}"), str(err.value)
+
+
+def test_a_policy_file_is_only_required_where_it_is_read():
+    """evaluate.yaml / inference.yaml run these checks with the training run's settings (a fixed mode names the run's
+    folder) but never read a policy file: no file, or a path the mode ignores, passes (AugmentationSetup names a
+    training run's missing file when it is built)."""
+    with pytest.warns(UserWarning, match=r"--tra_policy 'gone\.json' is ignored"):
+        check_settings(argv=[], tra_mode="class-specific", tra_policy="gone.json")
+    check_settings(argv=[], tra_mode="fixed", tra_policy=None, tea_mode="fixed", tea_policy=None)
 
 
 def test_a_policy_file_the_mode_does_not_read_is_a_warning(tmp_path):
@@ -359,6 +368,20 @@ def test_overwrite_deletes_only_the_previous_runs_files(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     check_output_dir(tmp_path, overwrite="true")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_overwrite_refuses_to_delete_a_policy_file_the_run_reads(tmp_path):
+    """``--tra_mode fixed --tra_policy runs/x/policies.json --overwrite true`` (into that same folder) deleted the
+    policy it was to reuse, then failed: the learned policy was lost."""
+    _a_run(tmp_path)
+    policies = tmp_path / "policies.json"
+    policies.write_text("{}")
+    with pytest.raises(PreflightError, match=rf"--overwrite true would delete {re.escape(str(policies))}, which this "
+                       rf"run reads .*: copy it out of {re.escape(str(tmp_path))}"):  # fmt: skip
+        check_output_dir(tmp_path, overwrite=True, inputs=[None, str(policies)])
+    assert policies.is_file() and (tmp_path / "resume.pt").is_file()  # nothing deleted
+    check_output_dir(tmp_path, overwrite=True, inputs=[None, str(tmp_path.parent / "elsewhere.json")])
+    assert not policies.exists()
 
 
 def test_resume_needs_resume_pt_with_the_same_length(tmp_path):

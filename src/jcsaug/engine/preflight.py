@@ -25,7 +25,6 @@ import functools
 import logging
 import math
 import numbers
-import os
 import shutil
 import sys
 import warnings
@@ -231,13 +230,14 @@ def _optional_patch_size(value: Any) -> str | None:
 
 
 def _tra_preset(value: Any) -> str | None:
-    """A TRA preset name, or a mapping series -> probability that :func:`~jcsaug.policy.series_probs` accepts."""
-    from jcsaug.ops.tra import TRA_SERIES
-    from jcsaug.policy.presets import TRA_PRESETS, series_probs
+    """A TRA preset name, or a mapping series -> probability: whatever :func:`~jcsaug.policy.make_tra_policy` builds
+    a policy from (as the run will)."""
+    from jcsaug.policy.factory import make_tra_policy
+    from jcsaug.policy.presets import TRA_PRESETS
 
     if isinstance(value, Mapping):
         try:
-            series_probs(value, TRA_SERIES)
+            make_tra_policy(value, num_groups=1)
         except (KeyError, TypeError, ValueError) as err:
             return str(err.args[0]) if err.args else str(err)  # a KeyError's str() quotes its message
         return None
@@ -246,13 +246,15 @@ def _tra_preset(value: Any) -> str | None:
 
 
 def _tea_preset(value: Any) -> str | None:
-    """A TEA preset name, or one probability per TEA op (what :func:`~jcsaug.policy.tea_probs` accepts)."""
+    """A TEA preset name, or one probability per TEA op: whatever :func:`~jcsaug.policy.make_tea_policy` builds a
+    policy from (as the run will)."""
     from jcsaug.ops.tea import TEA_OPS
-    from jcsaug.policy.presets import TEA_PRESETS, tea_probs
+    from jcsaug.policy.factory import make_tea_policy
+    from jcsaug.policy.presets import TEA_PRESETS
 
     if isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, str):
         try:
-            tea_probs(value, len(TEA_OPS))
+            make_tea_policy(value)
         except (TypeError, ValueError) as err:
             return str(err)
         return None
@@ -261,8 +263,8 @@ def _tea_preset(value: Any) -> str | None:
 
 
 def _train_fraction(value: Any) -> str | None:
-    """A training fraction of the paper's table (any task's): the prepared data has a training split for those only
-    (``training`` for 1.0, ``training_50`` for 0.5: :func:`jcsaug.tasks.load_split`)."""
+    """A training fraction of the paper's table (of any task: whether this task's prepared data has its split,
+    ``training`` for 1.0 or ``training_50`` for 0.5, :func:`jcsaug.tasks.load_split`, is the data check's)."""
     from jcsaug.tasks.registry import TASKS
 
     fractions = sorted({1.0} | {float(f) for _, task in TASKS.items() for row in task.paper_settings.values()
@@ -273,17 +275,11 @@ def _train_fraction(value: Any) -> str | None:
 
 
 def _policy_file(value: Any) -> str | None:
-    """``None`` or a readable file (whether it must be one, and holds the policy: :func:`_relation_problems`)."""
-    if value is None:
+    """``None`` or a path (whether the mode reads it, and then that it holds the policy: :func:`_relation_problems`;
+    a path the mode ignores need not exist, as the evaluation configs pass the run's settings on)."""
+    if value is None or (isinstance(value, (str, Path)) and str(value)):
         return None
-    reason = "must be None or the path of a readable policies.json file"
-    if not isinstance(value, (str, Path)) or not str(value):
-        return reason
-    if not Path(value).is_file():
-        return f"{reason}: no file {value}"
-    if not os.access(value, os.R_OK):
-        return f"{reason}: cannot read {value}"
-    return None
+    return "must be None or the path of a policies.json file"
 
 
 def _validators() -> dict[str, Any]:
@@ -350,8 +346,10 @@ def _policy_file_problems(
                 stacklevel=5,  # check_settings' caller
             )
         return []
-    if path is None:
-        return [f"--{which}_mode {mode.name!r} needs the policies.json to reuse: set {key} (a file path)"]
+    if path is None:  # AugmentationSetup says so when the run builds it (evaluate.yaml / inference.yaml never do)
+        return []
+    if not Path(path).is_file():
+        return [f"--{key} {path!r}: no file {path} ({which}_mode {mode.name!r} reads the policy from it)"]
     from jcsaug.policy.io import load_policies
 
     try:
@@ -372,8 +370,9 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
     * the paired TEA estimator scores each of its Z copies with another non-identity op (at most 83);
     * the paired TRA estimator needs at least one counterfactual copy;
     * the classes ``keep_largest_component`` names are foreground classes ``1..num_classes-1``;
-    * a ``fixed`` mode (``from_file``) needs ``tra_policy`` / ``tea_policy`` holding its policy, as
-      :class:`~jcsaug.engine.AugmentationSetup` does; a file given to another mode is ignored there: a warning.
+    * a ``fixed`` mode's (``from_file``) ``tra_policy`` / ``tea_policy`` must exist and hold its policy, as
+      :class:`~jcsaug.engine.AugmentationSetup` requires (no file at all: it says so itself when a training run
+      builds it); a file given to another mode is ignored there: a warning.
     """
     from jcsaug.engine.modes import get_tea_mode, get_tra_mode
     from jcsaug.ops.tea import TEA_OPS
@@ -527,13 +526,15 @@ def check_output_dir(
     max_epochs: int | None = None,
     epoch_length: int | None = None,
     settings: Mapping[str, Any] | None = None,
+    inputs: Sequence[str | Path | None] = (),
 ) -> None:
     """A training run's ``output_dir`` must not hold another run, unless it is resumed or replaced.
 
     * nothing of a run in it (:data:`RUN_ARTEFACTS`; other files are left alone): fine;
     * ``resume``: ``resume.pt`` must be there, saved with the same ``max_epochs``/``epoch_length`` and run
       ``settings`` (e.g. seed, modes, update intervals; :func:`check_resume_matches`);
-    * ``overwrite``: the previous run's files and folders (:data:`RUN_ARTEFACTS` only) are deleted, by rank 0;
+    * ``overwrite``: the previous run's files and folders (:data:`RUN_ARTEFACTS` only) are deleted, by rank 0 —
+      unless one of them is among ``inputs``, files the new run reads (its ``tra_policy`` / ``tea_policy``): refused;
     * otherwise a :class:`PreflightError` saying which files are there and how to go on.
     """
     output_dir = Path(output_dir)
@@ -563,6 +564,14 @@ def check_output_dir(
             "replace it (its checkpoints, policies, history, metrics and TensorBoard logs are deleted), or choose "
             "another --output_dir"
         )
+    doomed = [p.resolve() for p in found]
+    for given in inputs:
+        path = None if given is None else Path(given).resolve()
+        if path is not None and any(path == d or d in path.parents for d in doomed):
+            raise PreflightError(
+                f"--overwrite true would delete {given}, which this run reads (a policy file in the run folder it "
+                f"replaces): copy it out of {output_dir} and give the copy"
+            )
     if idist.get_rank() == 0:
         for path in found:
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()

@@ -85,7 +85,8 @@ def parse_component_classes(value: ComponentClasses) -> bool | str | tuple[int, 
     """The form of a ``keep_largest_component`` setting, before its classes are checked against a task
     (:func:`component_classes` does both).
 
-    A flag (:func:`~jcsaug.utils.as_flag`: bools, ``true``/``false``/... in any case, 0/1, None) is returned as a bool,
+    A flag (:func:`~jcsaug.utils.as_flag`: bools, ``true``/``false``/... in any case, None; not a bare 0/1, which
+    could mean a class) is returned as a bool,
     ``"task"`` as it is, a list or tuple of distinct integer class ids >= 1 (also written as a string,
     ``"[1, 3]"``) as a sorted tuple.
 
@@ -117,6 +118,9 @@ def parse_component_classes(value: ComponentClasses) -> bool | str | tuple[int, 
         if twice:
             raise refuse(f"class {twice[0]} is given twice; ")
         return tuple(sorted(ids))
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        # a command line's 1 (or 0) arrives as an int: as a flag it would post-process every class, maybe not meant
+        raise refuse(f"a bare number is ambiguous (the flag, or class {value}?): write true/false or [{value}]; ")
     try:
         return as_flag(value)
     except ValueError:

@@ -120,7 +120,8 @@ def _check_position(value: dict, key: str, expected: int, where: str) -> None:
 
 #: how far stated probabilities may be from the softmax of the logits, or their sum from 1 (the file writes float32s)
 PROBABILITY_TOLERANCE = 1e-3
-#: the probability a stated 0 becomes (logits are finite): the floor of ``CategoricalPolicy.set_probabilities``
+#: the probability a stated 0 becomes (logits are finite; other probabilities, however small, are kept): the floor of
+#: ``CategoricalPolicy.set_probabilities``
 PROBABILITY_FLOOR = 1e-6
 
 
@@ -138,7 +139,7 @@ def _number(op: dict, key: str, where: str) -> float | None:
 
 
 def _from_probabilities(ops: list[dict], probs: list[float | None], where: str) -> list[float]:
-    """Logits ``log(p)`` of a series given by its probabilities (zeros floored at :data:`PROBABILITY_FLOOR`)."""
+    """Logits ``log(p)`` of a series given by its probabilities (a 0 becomes :data:`PROBABILITY_FLOOR`)."""
     values: list[float] = []
     for op, p in zip(ops, probs):
         if p is None:
@@ -150,7 +151,7 @@ def _from_probabilities(ops: list[dict], probs: list[float | None], where: str) 
     total = math.fsum(values)
     if abs(total - 1) > PROBABILITY_TOLERANCE:
         raise ValueError(f"{where}: the probabilities sum to {total:.6g}, not 1 (within {PROBABILITY_TOLERANCE:g})")
-    floored = [max(p, PROBABILITY_FLOOR) for p in values]
+    floored = [p if p > 0 else PROBABILITY_FLOOR for p in values]  # only a 0 has no finite log
     norm = math.fsum(floored)
     return [math.log(p / norm) for p in floored]
 
@@ -164,7 +165,8 @@ def _check_agreement(ops: list[dict], logits: list[float], probs: list[float | N
         if p is not None and not abs(w / norm - p) <= PROBABILITY_TOLERANCE:
             raise ValueError(
                 f"{where}: op {op['name']!r}: probability {op['probability']!r} but softmax of the logits gives "
-                f"{w / norm:.6g}; edit the logits or delete them to use the probabilities"
+                f"{w / norm:.6g}: the stated probabilities disagree with the logits; delete the 'probability' "
+                "entries to use the logits, or the 'logit' entries to use the probabilities"
             )
 
 
