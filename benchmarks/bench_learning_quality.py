@@ -218,7 +218,7 @@ def parse_shift(text: str) -> str | dict:
 def shift_name(shift: str | Mapping) -> str:
     """The shift's name in folder and file names: its ``TARGET_SHIFTS`` name (also for an equal mapping), else
     ``custom-`` and the first 8 hex digits of the SHA-1 of the normalised mapping's canonical JSON (stable: key order,
-    lists or tuples, ``1`` or ``1.0`` do not change it)."""
+    lists or tuples, a range bound written ``1`` or ``1.0`` do not change it)."""
     from jcsaug.data.synthetic import CUSTOM_SHIFT, resolve_target_shift
 
     name, target = resolve_target_shift(shift)

@@ -168,6 +168,20 @@ class PolicyUpdaters(list):
         }
 
 
+def policy_from_file(path: str | Path | None, which: str, mode: str) -> CategoricalPolicy:
+    """The ``which`` (``"tra"`` / ``"tea"``) policy of the ``policies.json`` at ``path``, never learned, for the
+    mode ``mode`` (named in the errors: no ``path``, a file without that policy, or what :func:`load_policies`
+    refuses). The one reader of a fixed mode's file, for :class:`AugmentationSetup` and the preflight checks."""
+    mode = f"{which}_mode {mode!r}"
+    if not path:
+        raise ValueError(f"{mode} needs the policies.json to reuse: set {which}_policy (a file path)")
+    policy = load_policies(path)[0 if which == "tra" else 1]
+    if policy is None:
+        raise ValueError(f"{path} holds no {which.upper()} policy ({mode})")
+    policy.logits.requires_grad_(False)  # never learned
+    return policy
+
+
 class AugmentationSetup:
     """The policies of one run, from its mode names (step 1 of 3, see the module docstring).
 
@@ -206,27 +220,17 @@ class AugmentationSetup:
         if self.tra_estimator == "paired" and self.tra.learned and self.tra_counterfactuals < 1:
             raise ValueError(f"tra_counterfactuals={tra_counterfactuals}: the paired TRA estimator needs at least 1")
         if self.tra.from_file:
-            self.tra_policy = self._policy_from_file(tra_policy_file, "tra")
+            self.tra_policy = policy_from_file(tra_policy_file, "tra", self.tra_mode)
         else:
             preset = tra_preset if self.tra.preset is None else self.tra.preset
             self.tra_policy = make_tra_policy(preset, num_groups=num_groups if self.tra.class_specific else 1)
-        self.tea_policy = (
-            self._policy_from_file(tea_policy_file, "tea") if self.tea.from_file else make_tea_policy(tea_preset)
-        )
+        if self.tea.from_file:
+            self.tea_policy = policy_from_file(tea_policy_file, "tea", self.tea_mode)
+        else:
+            self.tea_policy = make_tea_policy(tea_preset)
         #: copies of the policies as built, before any learning: what the run's changes are measured against
         self.initial_policies = (copy.deepcopy(self.tra_policy), copy.deepcopy(self.tea_policy))
         self._posthoc_learned = False
-
-    def _policy_from_file(self, path: str | Path | None, which: str) -> CategoricalPolicy:
-        """The ``which`` (``"tra"`` / ``"tea"``) policy of the ``policies.json`` at ``path``, never learned."""
-        mode = f"{which}_mode {getattr(self, f'{which}_mode')!r}"
-        if not path:
-            raise ValueError(f"{mode} needs the policies.json to reuse: set {which}_policy (a file path)")
-        policy = load_policies(path)[0 if which == "tra" else 1]
-        if policy is None:
-            raise ValueError(f"{path} holds no {which.upper()} policy ({mode})")
-        policy.logits.requires_grad_(False)  # never learned
-        return policy
 
     @property
     def counterfactuals(self) -> int:

@@ -332,8 +332,8 @@ def _validators() -> dict[str, Any]:
 def _policy_file_problems(
     which: str, mode: Any, settings: Mapping[str, Any], valid: Callable[[str], bool]
 ) -> list[str]:
-    """What :meth:`AugmentationSetup._policy_from_file` would refuse for the ``which`` (``"tra"``/``"tea"``) policy
-    file, checked only where both the mode and the file were given and are valid."""
+    """What :func:`~jcsaug.engine.modes.policy_from_file` (the run's reader) refuses for the ``which``
+    (``"tra"``/``"tea"``) policy file, checked only where both the mode and the file were given and are valid."""
     key = f"{which}_policy"
     if mode is None or not valid(key):
         return []
@@ -350,14 +350,12 @@ def _policy_file_problems(
         return []
     if not Path(path).is_file():
         return [f"--{key} {path!r}: no file {path} ({which}_mode {mode.name!r} reads the policy from it)"]
-    from jcsaug.policy.io import load_policies
+    from jcsaug.engine.modes import policy_from_file
 
     try:
-        policy = load_policies(path)[0 if which == "tra" else 1]
+        policy_from_file(path, which, mode.name)
     except ValueError as err:
         return [f"--{key} {path!r}: {err}"]
-    if policy is None:
-        return [f"--{key} {path!r}: {path} holds no {which.upper()} policy ({which}_mode {mode.name!r})"]
     return []
 
 
