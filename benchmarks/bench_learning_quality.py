@@ -217,14 +217,15 @@ def parse_shift(text: str) -> str | dict:
 
 def shift_name(shift: str | Mapping) -> str:
     """The shift's name in folder and file names: its ``TARGET_SHIFTS`` name (also for an equal mapping), else
-    ``custom-`` and the first 8 hex digits of the SHA-1 of the normalised mapping's canonical JSON (stable: key order,
-    lists or tuples, a range bound written ``1`` or ``1.0`` do not change it)."""
-    from jcsaug.data.synthetic import CUSTOM_SHIFT, resolve_target_shift
+    ``custom-`` and the first 8 hex digits of the SHA-1 of the canonical JSON of the normalised mapping's aspects that
+    differ from the source domain (stable: key order, lists or tuples, a range bound written ``1`` or ``1.0``, a key
+    given at its source value, and keys added to ``SHIFT_KEYS`` later do not change it)."""
+    from jcsaug.data.synthetic import CUSTOM_SHIFT, changed_aspects, resolve_target_shift
 
-    name, target = resolve_target_shift(shift)
+    name = resolve_target_shift(shift)[0]
     if name != CUSTOM_SHIFT:
         return name
-    canonical = json.dumps(target, sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(changed_aspects(shift), sort_keys=True, separators=(",", ":"))
     return f"{CUSTOM_SHIFT}-{hashlib.sha1(canonical.encode()).hexdigest()[:8]}"
 
 
@@ -424,10 +425,10 @@ def main() -> None:
     )
     args = parser.parse_args()  # fmt: skip
 
-    from jcsaug.data.synthetic import describe_shift, resolve_target_shift
+    from jcsaug.data.synthetic import changed_aspects, describe_shift
 
-    name, target = shift_name(args.shift), resolve_target_shift(args.shift)[1]
-    about = f"`{json.dumps(target)}`: {describe_shift(target)}"
+    name = shift_name(args.shift)
+    about = f"`{json.dumps(changed_aspects(args.shift))}`: {describe_shift(args.shift)}"
     data, shift = prepare_dataset(args.out, args.shift)
     undone_by = shift["undone_by"]
     common = dict(item.split("=", 1) for item in args.set)

@@ -272,11 +272,12 @@ def test_a_json_shift_is_parsed_checked_and_named_by_its_mapping(bench):
     assert bench.parse_shift("blur") == "blur"
     combined = bench.parse_shift(COMBINED)
     assert combined == {"long_axis": 1, "mirror_axis0": True, "blur": [0.8, 1.0]}
-    canonical = '{"blur":[0.8,1.0],"gamma":null,"long_axis":1,"mirror_axis0":true}'
+    canonical = '{"blur":[0.8,1.0],"long_axis":1,"mirror_axis0":true}'  # the aspects that differ from the source
     name = bench.shift_name(combined)
     assert name == f"custom-{hashlib.sha1(canonical.encode()).hexdigest()[:8]}"
     # the same mapping written otherwise has the same name; a named shift's mapping is that shift
     assert bench.shift_name({"mirror_axis0": True, "gamma": None, "blur": (0.8, 1), "long_axis": 1}) == name
+    assert bench.shift_name({**combined, "scale": None, "noise": None}) == name  # a key at its source value
     assert bench.shift_name({**combined, "blur": [0.6, 0.8]}) not in (name, "blur")
     assert bench.shift_name(bench.parse_shift('{"blur": [0.8, 1]}')) == bench.shift_name("blur") == "blur"
     for text, shown in [('{"long_axis": 5}', "'long_axis' .* got 5"), ('{"flip": true}', r"\['flip'\]"),
@@ -311,12 +312,13 @@ def test_a_json_shift_gets_its_own_dataset_runs_report_and_oracle(bench, tmp_pat
     assert data == tmp_path / f"data_{name}" and run_dir == tmp_path / "runs" / name / "oracle+mirror" / "seed0"
     assert bench.run_settings("oracle+mirror", 0, data, overrides, "cpu")["dataset"] == f"data_{name}"
     recorded = json.loads((data / "dataset.json").read_text())
-    assert recorded["target_shift"] == {"long_axis": 1, "mirror_axis0": True, "gamma": None, "blur": [0.8, 1.0]}
+    assert recorded["target_shift"] == {"long_axis": 1, "mirror_axis0": True, "gamma": None, "blur": [0.8, 1.0],
+                                        "scale": None, "noise": None}
     preset = json.loads(overrides["tra_preset"])  # the oracle: the undoing ops of the dataset's own metadata
     assert set(preset) == {"base", "rotate_longitudinal", "mirror_sagittal", "blur_sharpen"}
     report = (tmp_path / f"learning_quality_{name}.md").read_text()
     assert report.startswith(f"## Learning quality, shift `{name}`")
-    mapping = '`{"long_axis": 1, "mirror_axis0": true, "gamma": null, "blur": [0.8, 1.0]}`'
+    mapping = '`{"long_axis": 1, "mirror_axis0": true, "blur": [0.8, 1.0]}`'
     described = "lesion long axis rotated from array axis 0 to 1, placement and bias field mirrored along axis 0, "
     assert f"Target domain {mapping}: {described}Gaussian blur sigma 0.8-1 voxel." in report
     # another mapping: another dataset and other runs (--reuse cannot mix them)

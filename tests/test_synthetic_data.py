@@ -168,6 +168,52 @@ def test_the_gamma_shift_is_the_default_gamma_of_the_plain_case_and_nothing_else
     assert _skewness(image) > _skewness(plain) + 0.2
 
 
+def _zscore(x: np.ndarray) -> np.ndarray:
+    return (x - x.mean()) / (x.std() + 1e-8)
+
+
+@pytest.mark.parametrize("scale", [(1.3, 1.4), (0.7, 0.75)])
+def test_the_scale_shift_magnifies_the_plain_case_about_its_centre(scale: tuple[float, float]) -> None:
+    """``scale``: the source case (same draws) magnified by the factor drawn next, image (linear) and label (nearest)
+    alike, about the volume's centre; then z-scored. A factor below 1 shrinks it, the border filled by reflection."""
+    rng, plain_rng = np.random.default_rng(7), np.random.default_rng(7)
+    image, label = synthesize_case(rng, SHAPE, {"scale": scale})
+    plain, plain_label = synthesize_case(plain_rng, SHAPE, "source")
+    factor = plain_rng.uniform(*scale)
+    assert scale[0] <= factor < scale[1]
+    centre = (np.asarray(SHAPE) - 1) / 2.0
+    coords = centre[:, None, None, None] + (np.indices(SHAPE) - centre[:, None, None, None]) / factor
+    expected = ndimage.map_coordinates(plain, coords, order=1, mode="reflect")
+    np.testing.assert_allclose(image, _zscore(expected), atol=1e-4)
+    np.testing.assert_array_equal(label, ndimage.map_coordinates(plain_label, coords, order=0, mode="reflect"))
+    if factor > 1:  # what grew fills more of the volume (some of it leaves at the border)
+        assert label.sum() > 1.5 * plain_label.sum()
+
+
+def test_the_noise_shift_adds_gaussian_noise_to_the_plain_z_scored_case() -> None:
+    """``noise``: the source case, then Gaussian noise of the standard deviation drawn next, added last."""
+    rng, plain_rng = np.random.default_rng(3), np.random.default_rng(3)
+    image, label = synthesize_case(rng, SHAPE, {"noise": [0.1, 0.15]})
+    plain, plain_label = synthesize_case(plain_rng, SHAPE, "source")
+    std = plain_rng.uniform(0.1, 0.15)
+    np.testing.assert_array_equal(label, plain_label)
+    np.testing.assert_allclose(image, plain + plain_rng.normal(0.0, std, size=SHAPE), atol=1e-5)
+    assert 0.1 <= float(np.std(image - plain)) < 0.16
+
+
+def test_the_ops_that_undo_a_zoom_and_noise_are_named_from_the_catalogues() -> None:
+    """A magnified target: the TRA zoom whose bin holds the factor's magnitude (its direction drawn: partial) and the
+    TEA zoom the other way; a shrunk one: the TEA zoom up; noise: the TRA noise of that sd, no TEA op (none
+    denoises)."""
+    assert shift_undoing_ops({"scale": [1.3, 1.4]}) == {
+        "tra": [{"series": "scale", "op": "scale±[0.3,0.4)", "partial": True}], "tea": [["scale_down_0.35"]]}
+    assert shift_undoing_ops({"scale": [0.7, 0.78]})["tea"] == [["scale_up_0.35"]]  # 1 / 0.74 - 1 = 0.35
+    assert shift_undoing_ops({"noise": [0.1, 0.15]}) == {"tra": [{"series": "noise", "op": "noise_std[0.1,0.15)"}],
+                                                          "tea": []}  # fmt: skip
+    assert describe_shift({"scale": [1.3, 1.4], "noise": [0.1, 0.15]}) == (
+        "scene magnified by 1.3-1.4, Gaussian noise sd 0.1-0.15")
+
+
 def test_existing_dataset_is_not_rewritten(tmp_path: Path) -> None:
     path = make_synthetic_dataset(tmp_path, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False)
     files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
@@ -265,7 +311,8 @@ def test_only_empty_or_jcsaug_folders_are_written(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------- a target shift given as a mapping
 COMBINED = {"long_axis": 1, "mirror_axis0": True, "blur": [0.8, 1.0]}  # a shift no name stands for
-COMBINED_RECORDED = {"long_axis": 1, "mirror_axis0": True, "gamma": None, "blur": [0.8, 1.0]}
+COMBINED_RECORDED = {"long_axis": 1, "mirror_axis0": True, "gamma": None, "blur": [0.8, 1.0], "scale": None,
+                     "noise": None}
 
 
 def _long_axes(label: np.ndarray) -> list[int]:
@@ -303,7 +350,8 @@ def test_a_mapping_shift_makes_the_target_cases_it_asks_for_and_records_them(tmp
 @pytest.mark.parametrize(
     ("shift", "shown"),
     [
-        ({"long_axis": 1, "sigma": 2}, r"\['sigma'\]; the keys are \['long_axis', 'mirror_axis0', 'gamma', 'blur'\]"),
+        ({"long_axis": 1, "sigma": 2},
+         r"\['sigma'\]; the keys are \['long_axis', 'mirror_axis0', 'gamma', 'blur', 'scale', 'noise'\]"),
         ({"long_axis": 3}, "'long_axis' .* got 3"),
         ({"long_axis": True}, "'long_axis' .* got True"),
         ({"long_axis": 1.0}, r"'long_axis' .* got 1\.0"),
@@ -316,6 +364,8 @@ def test_a_mapping_shift_makes_the_target_cases_it_asks_for_and_records_them(tmp
         ({"blur": [-0.1, 1.0]}, r"'blur' .* 0 <= lo < hi; got \[-0\.1, 1\.0\]"),
         ({"blur": [0.5, float("nan")]}, r"'blur' .* got \[0\.5, nan\]"),
         ({"blur": "0.8,1"}, "'blur' .* got '0.8,1'"),
+        ({"scale": [0, 1.2]}, r"'scale' .* 0 < lo < hi; got \[0, 1\.2\]"),
+        ({"noise": [0.2, 0.1]}, r"'noise' .* 0 <= lo < hi; got \[0\.2, 0\.1\]"),
         (3, "a mapping, got 3"),
     ],
 )
@@ -332,7 +382,8 @@ def test_mappings_are_normalised_and_a_mapping_equal_to_a_named_shift_is_that_sh
     name, target = resolve_target_shift(COMBINED)
     assert (name, target) == ("custom", {**COMBINED_RECORDED, "blur": (0.8, 1.0)})
     # the source domain itself is a valid control: no shift, no undoing op
-    assert resolve_target_shift({})[1] == {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": None}
+    assert resolve_target_shift({})[1] == {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": None,
+                                           "scale": None, "noise": None}
     assert describe_shift({}) == "no shift" and shift_undoing_ops({}) == {"tra": [], "tea": []}
     assert describe_shift(COMBINED).startswith("lesion long axis rotated from array axis 0 to 1, placement")
 
@@ -354,7 +405,7 @@ def test_a_named_shift_and_the_equal_mapping_share_a_folder_another_mapping_is_f
         assert make_synthetic_dataset(tmp_path / "custom", target_shift=None, **kwargs) == custom
     other = {**COMBINED, "blur": [0.6, 0.8]}
     with pytest.warns(UserWarning, match=r"'target_shift': \{'long_axis': 1, 'mirror_axis0': True, 'gamma': None, "
-                      r"'blur': \[0\.6, 0\.8\]\}"):  # fmt: skip
+                      r"'blur': \[0\.6, 0\.8\], 'scale': None, 'noise': None\}"):  # fmt: skip
         make_synthetic_dataset(tmp_path / "custom", target_shift=other, **kwargs)
     for asked in ("default", "blur"):
         with pytest.warns(UserWarning, match=f"'target_shift': '{asked}'"):

@@ -30,7 +30,11 @@ axis 1, no mirror, a gamma below 1), ``blur`` (no geometric change, no gamma: th
 Gaussian of sigma 0.8-1 voxel, as a softer scanner would give) and ``gamma`` (the default shift's intensity
 change alone: no geometric change, the rescaled image raised to a gamma in [1.4, 1.6)). A shift nobody named is given
 as a mapping of the same keys (:data:`SHIFT_KEYS`; :func:`resolve_target_shift`), e.g. ``{"long_axis": 1,
-"mirror_axis0": True, "blur": (0.8, 1.0)}``: lesions along array axis 1, mirrored, blurred.
+"mirror_axis0": True, "blur": (0.8, 1.0)}``: lesions along array axis 1, mirrored, blurred. Two aspects only a mapping
+uses: ``scale`` (the scene magnified about the volume's centre by a factor drawn in the range, image and label, as a
+scanner with a finer voxel spacing would show it; below 1 it shrinks, the border filled by reflection; the foreground
+fraction changes with it) and ``noise`` (Gaussian noise of a standard deviation drawn in the range added to the
+z-scored, possibly blurred, image: a noisier scanner).
 
 Layout written under ``out_dir`` (file names are unique across splits, numbered training first)::
 
@@ -66,6 +70,7 @@ __all__ = [
     "SPLITS",
     "SHIFT_KEYS",
     "TARGET_SHIFTS",
+    "changed_aspects",
     "describe_shift",
     "make_synthetic_dataset",
     "resolve_target_shift",
@@ -84,8 +89,8 @@ SPLITS: dict[str, tuple[str, str, str]] = {
 _DOMAINS = {
     # long axis of the lesions, mirror along array axis 0, gamma range (None = no gamma), Gaussian blur sigma range
     # of the z-scored image (None = no blur; a missing key reads as None)
-    "source": {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": None},
-    "target": {"long_axis": 2, "mirror_axis0": True, "gamma": (1.4, 1.6), "blur": None},
+    "source": {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": None, "scale": None, "noise": None},
+    "target": {"long_axis": 2, "mirror_axis0": True, "gamma": (1.4, 1.6), "blur": None, "scale": None, "noise": None},
 }
 
 #: Named target domains (``make_synthetic_dataset(target_shift=...)``): the default one, and others that check
@@ -94,16 +99,16 @@ TARGET_SHIFTS: dict[str, dict] = {
     "default": _DOMAINS["target"],
     # lesions along array axis 1 (a quarter turn about the longitudinal axis), no mirror, the image raised to a
     # power below 1 (the gamma of the other sign)
-    "rotate-longitudinal": {"long_axis": 1, "mirror_axis0": False, "gamma": (0.62, 0.71), "blur": None},
+    "rotate-longitudinal": {**_DOMAINS["source"], "long_axis": 1, "gamma": (0.62, 0.71)},
     # no geometric change and no gamma: the z-scored image blurred (sigma 0.8-1 voxel), an intensity change of
     # another kind (undone by the TRA's strongest blur, roughly by the TEA's sharpening)
-    "blur": {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": (0.8, 1.0)},
+    "blur": {**_DOMAINS["source"], "blur": (0.8, 1.0)},
     # the default shift's intensity change alone (no geometric change): costs the heuristic Dice; no TRA op undoes it
     # (the catalogue's gamma rescales by each patch's own range and draws its sign), the TEA's gamma compression does
-    "gamma": {"long_axis": 0, "mirror_axis0": False, "gamma": (1.4, 1.6), "blur": None},
+    "gamma": {**_DOMAINS["source"], "gamma": (1.4, 1.6)},
 }
 #: the keys of a target domain; a ``target_shift`` mapping's missing keys take the source domain's values
-SHIFT_KEYS = ("long_axis", "mirror_axis0", "gamma", "blur")
+SHIFT_KEYS = ("long_axis", "mirror_axis0", "gamma", "blur", "scale", "noise")
 CUSTOM_SHIFT = "custom"
 """The name recorded for a ``target_shift`` mapping that equals no :data:`TARGET_SHIFTS` entry."""
 
@@ -113,6 +118,8 @@ _NOISE_STD = 0.035
 _MAX_TILT_DEG = 25.0
 
 
+#: the range aspects of a target domain -> whether their lower bound must be above 0 (a factor) or may be 0
+_RANGE_KEYS = {"gamma": True, "blur": False, "scale": True, "noise": False}
 _AXIS_NAMES = ("sagittal", "frontal", "longitudinal")  # array axes 0, 1, 2 after RAS (jcsaug.ops.axes)
 
 
@@ -129,11 +136,16 @@ def describe_shift(target: str | Mapping) -> str:
         parts.append(f"gamma {target['gamma'][0]:g}-{target['gamma'][1]:g} on the [0, 1]-rescaled image")
     if target["blur"] is not None:
         parts.append(f"Gaussian blur sigma {target['blur'][0]:g}-{target['blur'][1]:g} voxel")
+    if target["scale"] is not None:
+        parts.append(f"scene magnified by {target['scale'][0]:g}-{target['scale'][1]:g}")
+    if target["noise"] is not None:
+        parts.append(f"Gaussian noise sd {target['noise'][0]:g}-{target['noise'][1]:g}")
     return ", ".join(parts) or "no shift"
 
 
 def _check_pair(key: str, value: object, open_low: bool) -> tuple[float, float] | None:
-    """A ``gamma`` / ``blur`` range: ``None`` or finite ``lo < hi`` with ``0 < lo`` (``open_low``) or ``0 <= lo``."""
+    """A ``gamma`` / ``blur`` / ``scale`` / ``noise`` range: ``None`` or finite ``lo < hi`` with ``0 < lo``
+    (``open_low``) or ``0 <= lo``."""
     if value is None:
         return None
     pair = tuple(value) if isinstance(value, (list, tuple)) else ()
@@ -148,7 +160,8 @@ def _check_pair(key: str, value: object, open_low: bool) -> tuple[float, float] 
 def resolve_target_shift(shift: str | Mapping) -> tuple[str, dict]:
     """``(name, target domain)`` of a ``target_shift``: a :data:`TARGET_SHIFTS` name, or a mapping of
     :data:`SHIFT_KEYS` (a missing key: the source domain's value, no change in that aspect; ``long_axis`` 0,
-    ``mirror_axis0`` False, ``gamma`` and ``blur`` None; ranges as lists or tuples), checked and normalised (ranges
+    ``mirror_axis0`` False, ``gamma``, ``blur``, ``scale`` and ``noise`` None; ranges as lists or tuples: ``gamma``
+    and ``scale`` ``0 < lo < hi``, ``blur`` and ``noise`` ``0 <= lo < hi``), checked and normalised (ranges
     as float tuples). A mapping equal to a named shift gets its name, any other :data:`CUSTOM_SHIFT` (the source
     domain itself, ``{}``, is allowed: a control with no shift).
 
@@ -170,9 +183,17 @@ def resolve_target_shift(shift: str | Mapping) -> tuple[str, dict]:
         raise ValueError(f"target_shift 'long_axis' must be the integer 0, 1 or 2, got {axis!r}")
     if not isinstance(mirror, bool):
         raise ValueError(f"target_shift 'mirror_axis0' must be true or false, got {mirror!r}")
-    target = {"long_axis": int(axis), "mirror_axis0": mirror, "gamma": _check_pair("gamma", cfg["gamma"], True),
-              "blur": _check_pair("blur", cfg["blur"], False)}  # fmt: skip
+    target = {"long_axis": int(axis), "mirror_axis0": mirror,
+              **{key: _check_pair(key, cfg[key], open_low) for key, open_low in _RANGE_KEYS.items()}}  # fmt: skip
     return next((name for name, known in TARGET_SHIFTS.items() if known == target), CUSTOM_SHIFT), target
+
+
+def changed_aspects(shift: str | Mapping) -> dict:
+    """The aspects of a ``target_shift`` (:func:`resolve_target_shift`) that differ from the source domain, ranges as
+    lists (JSON's form): ``{"long_axis": 1, "blur": [0.8, 1.0]}``; ``{}`` for no shift."""
+    target = resolve_target_shift(shift)[1]
+    return {key: list(value) if isinstance(value, tuple) else value
+            for key, value in target.items() if value != _DOMAINS["source"][key]}  # fmt: skip
 
 
 def _recorded_target(found: Mapping) -> dict | None:
@@ -202,9 +223,9 @@ def _tea_op(kind: str, magnitude: float, sign: int = 1) -> str:
     return min(ops, key=lambda op: abs(op.magnitude - magnitude)).name
 
 
-def _power_magnitude(power: float) -> float:
-    """The magnitude ``M`` of a gamma exponent, as the catalogues' ``(1 + M) ** ±1``."""
-    return power - 1.0 if power >= 1.0 else 1.0 / power - 1.0
+def _factor_magnitude(factor: float) -> float:
+    """The magnitude ``M`` of a gamma exponent or a zoom factor, as the catalogues' ``(1 + M) ** ±1``."""
+    return factor - 1.0 if factor >= 1.0 else 1.0 / factor - 1.0
 
 
 def shift_undoing_ops(target: str | Mapping, source: Mapping = _DOMAINS["source"]) -> dict:
@@ -212,13 +233,14 @@ def shift_undoing_ops(target: str | Mapping, source: Mapping = _DOMAINS["source"
 
     TRA ops make a source patch look like the target (``{"series", "op"}``, one per aspect of the shift; the gamma
     op is marked ``"partial"``: its sign is drawn, so half of its draws reproduce the shift and half go the other
-    way); TEA ops map a target image back to the source (per aspect, the list of TEA op names that each undo it,
-    e.g. both quarter turns). The ops are looked up in the catalogues: the TRA bin that holds the shift's magnitude
-    (the nearest outside them), the TEA op of the nearest magnitude. Read by the learning-quality benchmark from
+    way; so is the zoom's); TEA ops map a target image back to the source (per aspect, the list of TEA op names that
+    each undo it, e.g. both quarter turns; none for added noise, which no TEA op removes). The ops are looked up in
+    the catalogues: the TRA bin that holds the shift's magnitude (the nearest outside them), the TEA op of the nearest
+    magnitude. Read by the learning-quality benchmark from
     ``dataset.json`` (its oracle sets the TRA ops by hand; it reports the learned probabilities of both), never by
     the learning itself. ``target`` is any ``target_shift`` (:func:`resolve_target_shift`); each aspect of a combined
     shift is undone by its own ops: a lesion long axis turned from ``a`` to ``b`` by a quarter turn about the third
-    axis, the placement mirrored along array axis 0 by the sagittal mirror, a gamma, a blur.
+    axis, the placement mirrored along array axis 0 by the sagittal mirror, a gamma, a blur, a zoom, added noise.
     """
     target = resolve_target_shift(target)[1]
     tra: list[dict] = []
@@ -232,13 +254,20 @@ def shift_undoing_ops(target: str | Mapping, source: Mapping = _DOMAINS["source"
         tea.append(["mirror_sagittal"])
     if target["gamma"] is not None:
         power = sum(target["gamma"]) / 2.0  # target = rescaled source ** power
-        magnitude = _power_magnitude(power)
+        magnitude = _factor_magnitude(power)
         tra.append({"series": "gamma", "op": _tra_op("gamma", "gamma", magnitude), "partial": True})
         tea.append([_tea_op("gamma", magnitude, sign=-1 if power >= 1.0 else 1)])  # the exponent 1 / power
     if target["blur"] is not None:
         sigma = sum(target["blur"]) / 2.0
         tra.append({"series": "blur_sharpen", "op": _tra_op("blur_sharpen", "blur", sigma)})
         tea.append([_tea_op("sharpen", sigma)])  # x - LoG(x, sigma): undoes a blur of about that sigma, roughly
+    if target["scale"] is not None:  # the TRA's zoom draws its direction: "partial", as the gamma
+        factor = sum(target["scale"]) / 2.0
+        magnitude = _factor_magnitude(factor)
+        tra.append({"series": "scale", "op": _tra_op("scale", "scale", magnitude), "partial": True})
+        tea.append([_tea_op("scale", magnitude, sign=-1 if factor >= 1.0 else 1)])  # shrink what grew, and back
+    if target["noise"] is not None:  # no TEA op removes noise: the TEA has no aspect for it
+        tra.append({"series": "noise", "op": _tra_op("noise", "noise", sum(target["noise"]) / 2.0)})
     return {"tra": tra, "tea": tea}
 
 
@@ -308,6 +337,16 @@ def _place(
     return None
 
 
+def _magnify(image: np.ndarray, label: np.ndarray, factor: float) -> tuple[np.ndarray, np.ndarray]:
+    """The scene magnified by ``factor`` about the volume's centre (linear for the image, nearest for the label; the
+    border a shrunk scene leaves filled by reflection, the same for both)."""
+    centre = (np.asarray(image.shape) - 1) / 2.0
+    matrix, offset = np.eye(3) / factor, centre * (1.0 - 1.0 / factor)  # output voxel o reads input M @ o + offset
+    image = ndimage.affine_transform(image, matrix, offset, order=1, mode="reflect")
+    label = ndimage.affine_transform(label.astype(np.uint8), matrix, offset, order=0, mode="reflect")
+    return image, label.astype(bool)
+
+
 # ----------------------------------------------------------------------------------------------- one case
 def _lesion_label(rng: np.random.Generator, shape: tuple[int, int, int], long_axis: int) -> np.ndarray | None:
     """2-6 non-touching elongated lesions covering a drawn 1.4-2.6 % of the volume (``None``: redraw)."""
@@ -338,10 +377,10 @@ def _lesion_label(rng: np.random.Generator, shape: tuple[int, int, int], long_ax
 def synthesize_case(
     rng: np.random.Generator, shape: tuple[int, int, int] = (48, 48, 48), domain: str | Mapping = "source"
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Draw one case of ``domain`` (``"source"``, ``"target"`` or a :data:`TARGET_SHIFTS` entry):
-    ``(float32 image, uint8 label)``."""
+    """Draw one case of ``domain`` (``"source"``, ``"target"`` or a target domain's mapping, a :data:`TARGET_SHIFTS`
+    entry or any :func:`resolve_target_shift` accepts): ``(float32 image, uint8 label)``."""
     if isinstance(domain, Mapping):
-        cfg = dict(domain)
+        cfg = resolve_target_shift(domain)[1]
     elif domain in _DOMAINS:
         cfg = _DOMAINS[domain]
     else:
@@ -383,12 +422,16 @@ def synthesize_case(
 
     if cfg["mirror_axis0"]:
         image, label = image[::-1], label[::-1]
+    if cfg["scale"] is not None:
+        image, label = _magnify(image, label, rng.uniform(*cfg["scale"]))
     if cfg["gamma"] is not None:
         lo, hi = np.percentile(image, [0.5, 99.5])
         image = np.clip((image - lo) / (hi - lo), 0.0, 1.0) ** rng.uniform(*cfg["gamma"])
     image = (image - image.mean()) / (image.std() + 1e-8)
-    if cfg.get("blur") is not None:  # after z-scoring: exactly what the TRA's blur does to a source patch
+    if cfg["blur"] is not None:  # after z-scoring: exactly what the TRA's blur does to a source patch
         image = ndimage.gaussian_filter(image, rng.uniform(*cfg["blur"]))
+    if cfg["noise"] is not None:  # on the z-scored image, as the TRA's noise on a source patch
+        image = image + rng.normal(0.0, rng.uniform(*cfg["noise"]), size=shape)
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
 
 
@@ -568,8 +611,10 @@ def make_synthetic_dataset(
             "name": shift_name,
             "lesion_long_axis": {"source": 0, "target": target["long_axis"]},
             "mirror_axis": {"source": None, "target": 0 if target["mirror_axis0"] else None},
-            "gamma": {"source": None, "target": None if target["gamma"] is None else list(target["gamma"])},
-            "blur": {"source": None, "target": None if target.get("blur") is None else list(target["blur"])},
+            **{
+                key: {"source": None, "target": None if target[key] is None else list(target[key])}
+                for key in _RANGE_KEYS
+            },
             "undone_by": shift_undoing_ops(target),
         },
         **datalist,
