@@ -102,7 +102,8 @@ def small_dataset(tmp_path: Path) -> None:
     make_synthetic_dataset(tmp_path / "data", num_train=4, num_val=2, num_test=2, shape=(32, 32, 32), progress=False)
 
 
-def run_bundle(tmp_path: Path, *configs: str, **overrides) -> subprocess.CompletedProcess:
+def run_bundle(tmp_path: Path, *configs: str, check: bool = True, **overrides) -> subprocess.CompletedProcess:
+    """``python -m monai.bundle run`` of the default bundle's ``configs`` with ``overrides``; ``check``: assert rc 0."""
     files = [str(CONFIGS / c) for c in configs]
     config_file = files[0] if len(files) == 1 else str(files)
     args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", config_file,
@@ -113,5 +114,5 @@ def run_bundle(tmp_path: Path, *configs: str, **overrides) -> subprocess.Complet
     for key, value in overrides.items():
         args += [f"--{key}", str(value)]
     result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0 or not check, result.stdout[-3000:] + result.stderr[-3000:]
     return result

@@ -112,3 +112,27 @@ def test_tra_cascade_on_the_device(tmp_path):
     assert updates["TRA"]["updates"] == 2, updates  # the op record reached the updater
     tra, _ = load_policies(tmp_path / "run" / "policies.json")
     assert not torch.allclose(tra.logits, make_tra_policy("nnunet", 2).logits)
+
+
+def test_keep_largest_component_validation_is_chosen_after_training_and_read_by_evaluate(tmp_path):
+    """``--keep_largest_component validation``: the training run chooses the classes on its validation cases
+    (postprocessing.json), post-processes its test metrics with them and names them in the summary; evaluate.yaml
+    reads the same choice back, and refuses, naming the file, when the run has none."""
+    small_dataset(tmp_path)
+    result = run_bundle(tmp_path, "train.yaml", max_epochs=1, epoch_length=2, num_workers=0, tra_mode="heuristic",
+                        tea_mode="none", keep_largest_component="validation")  # fmt: skip
+    run = tmp_path / "run"
+    record = json.loads((run / "postprocessing.json").read_text())
+    assert record["cases"] == 2 and set(record["validation_dice"]) == {"1"}
+    chosen = record["classes"]
+    assert chosen == [1] if record["validation_dice"]["1"]["chosen"] else chosen == []
+    assert json.loads((run / "metrics.json").read_text())["none"]["largest_component_classes"] == chosen
+    summary = (result.stdout + result.stderr).split("run summary")[-1]
+    assert ("(chosen on the validation cases)" in summary) == bool(chosen)
+    assert str(run / "postprocessing.json") in summary
+    run_bundle(tmp_path, "train.yaml", "evaluate.yaml", num_workers=0, keep_largest_component="validation")
+    assert json.loads((run / "metrics_evaluate.json").read_text())["none"]["largest_component_classes"] == chosen
+    (run / "postprocessing.json").unlink()
+    refused = run_bundle(tmp_path, "train.yaml", "evaluate.yaml", num_workers=0, keep_largest_component="validation",
+                         check=False)  # fmt: skip
+    assert refused.returncode != 0 and "postprocessing.json not found" in refused.stdout + refused.stderr

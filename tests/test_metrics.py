@@ -171,7 +171,7 @@ def test_largest_component_only_of_the_chosen_classes():
         component_classes("task", 3)  # a library call has no task: the bundles pass theirs
 
 
-_FORMS = "must be true, false, task or a list of distinct foreground class ids, e.g. [1, 3]"
+_FORMS = "must be true, false, task, validation or a list of distinct foreground class ids, e.g. [1, 3]"
 
 
 @pytest.mark.parametrize(

@@ -176,7 +176,7 @@ def test_keep_largest_component_takes_a_flag_task_or_foreground_class_ids():
         check_settings(argv=[], keep_largest_component=value)
 
 
-_CLASS_IDS = "must be true, false, task or a list of distinct foreground class ids, e.g. [1, 3]"
+_CLASS_IDS = "must be true, false, task, validation or a list of distinct foreground class ids, e.g. [1, 3]"
 
 
 @pytest.mark.parametrize(

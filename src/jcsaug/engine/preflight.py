@@ -66,6 +66,7 @@ RUN_ARTEFACTS = (
     "per_case.csv",
     "metrics_evaluate.json",
     "per_case_evaluate.csv",
+    "postprocessing.json",
     "tensorboard",
     "predictions",
 )
@@ -408,10 +409,11 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
     for which, mode in (("tra", tra), ("tea", tea)):
         problems += _policy_file_problems(which, mode, settings, valid)
     if valid("keep_largest_component") and valid("num_classes"):  # 'task': the TaskSpec checks its own classes
-        from jcsaug.evaluation.metrics import component_classes
+        from jcsaug.evaluation.metrics import VALIDATION_COMPONENT_CLASSES, component_classes, parse_component_classes
 
-        try:
-            component_classes(settings["keep_largest_component"], settings["num_classes"], task_classes=())
+        try:  # 'validation': chosen after training among the foreground classes (check_data: the split has cases)
+            if parse_component_classes(settings["keep_largest_component"]) != VALIDATION_COMPONENT_CLASSES:
+                component_classes(settings["keep_largest_component"], settings["num_classes"], task_classes=())
         except ValueError as err:
             problems.append(f"--{err}")
     return problems
@@ -626,6 +628,15 @@ def _case_problems(
     return name, problems
 
 
+def _chooses_on_validation(keep_largest_component: Any) -> bool:
+    from jcsaug.evaluation.metrics import VALIDATION_COMPONENT_CLASSES, parse_component_classes
+
+    try:
+        return parse_component_classes(keep_largest_component) == VALIDATION_COMPONENT_CLASSES
+    except ValueError:  # a bad value: check_settings names it
+        return False
+
+
 @_reported
 def check_data(
     splits: Mapping[str, Sequence[Any]],
@@ -635,6 +646,7 @@ def check_data(
     require: Sequence[str] | None = None,
     image_channels: int | None = 1,
     spatial_dims: int = 3,
+    keep_largest_component: Any = False,
 ) -> None:
     """Check every case of every split before the first iteration.
 
@@ -646,6 +658,8 @@ def check_data(
         keys: the file keys of an entry; the first is the image.
         require: the keys every entry must have (default: all ``keys``).
         image_channels, spatial_dims: see :func:`jcsaug.data.checks.pair_problems` (NIfTI headers).
+        keep_largest_component: the run's setting; ``"validation"`` chooses the post-processed classes on the
+            validation cases after training, so then the validation split must have cases.
 
     Raises:
         PreflightError: every failing case of every split (up to 20 listed), each with what is wrong.
@@ -655,7 +669,12 @@ def check_data(
     for split, entries in splits.items():
         entries = list(entries or [])
         if not entries:
-            if split != "validation":
+            if split == "validation" and _chooses_on_validation(keep_largest_component):
+                problems.append(
+                    "split 'validation' is empty: keep_largest_component 'validation' chooses the post-processed "
+                    "classes on its cases (give the classes instead, e.g. [1], or true / false)"
+                )
+            elif split != "validation":
                 problems.append(f"split {split!r} is empty: nothing to {'train on' if split == 'training' else 'use'}")
             elif tra_mode is not None and tea_mode is not None and needs_validation(tra_mode, tea_mode):
                 warnings.warn(

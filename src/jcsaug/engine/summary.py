@@ -61,6 +61,11 @@ class RunSummary:
             means = {name: values["mean_dice"] for name, values in methods.items()}
             out.append(f"  test Dice (mean of {n} cases; no TTA = none): {_dice_changes(means)}")
             out += _reported_dice(methods)
+            kept = next(iter(methods.values())).get("largest_component_classes")
+            if kept:
+                chosen = (self.output_dir / "postprocessing.json").is_file()
+                chosen = " (chosen on the validation cases)" if chosen else ""
+                out.append(f"  post-processed: the largest connected component of classes {kept}{chosen}")
         if self.tra_policy is not None and self.start_tra is not None:
             groups = [_changed(policy_changes(self.tra_policy, self.start_tra, g), self.top_k)
                       for g in range(self.tra_policy.num_groups)]  # fmt: skip
@@ -79,7 +84,7 @@ class RunSummary:
                 f"  {u.name} policy updates: {u.updates} done, {u.skipped} skipped{share}"
                 + (f" ({reasons})" if reasons else "")
             )
-        files = [self.metrics_name, "policies.json", "policies.png", "policy_history.png"]
+        files = [self.metrics_name, "policies.json", "policies.png", "policy_history.png", "postprocessing.json"]
         present = [str(self.output_dir / f) for f in files if (self.output_dir / f).is_file()]
         if present:
             out.append("  files: " + ", ".join(present))

@@ -9,12 +9,19 @@ from jcsaug.evaluation.metrics import (
     parse_component_classes,
     summarize_cases,
 )
+from jcsaug.evaluation.postprocessing import (
+    POSTPROCESSING_NAME,
+    choose_component_classes,
+    read_component_classes,
+    resolve_component_classes,
+)
 from jcsaug.evaluation.report import Report, ReportError, build_report, build_report_parser, run_report
 from jcsaug.evaluation.segmentation import case_dice, case_spacing, evaluate_cases, per_case_csv
 
 __all__ = [
     "HIGHER_IS_BETTER",
     "METRICS",
+    "POSTPROCESSING_NAME",
     "Report",
     "ReportError",
     "build_report",
@@ -22,11 +29,14 @@ __all__ = [
     "case_dice",
     "case_metrics",
     "case_spacing",
+    "choose_component_classes",
     "component_classes",
     "evaluate_cases",
     "largest_connected_component",
     "parse_component_classes",
     "per_case_csv",
+    "read_component_classes",
+    "resolve_component_classes",
     "run_report",
     "summarize_cases",
 ]

@@ -48,13 +48,18 @@ STATUSES: tuple[str, ...] = ("ok", "both_empty", "label_empty", "prediction_empt
 
 Spacing = float | Sequence[float] | None
 
-#: a ``keep_largest_component`` setting: a flag, ``"task"`` or foreground class ids (see :func:`component_classes`)
+#: a ``keep_largest_component`` setting: a flag, ``"task"``, ``"validation"`` or foreground class ids (see
+#: :func:`component_classes`)
 ComponentClasses = bool | str | Sequence[int] | None
 
 TASK_COMPONENT_CLASSES = "task"
 """``keep_largest_component="task"``: the task's :attr:`~jcsaug.tasks.TaskSpec.single_component_classes`."""
 
-_COMPONENT_FORMS = "true, false, task or a list of distinct foreground class ids, e.g. [1, 3]"
+VALIDATION_COMPONENT_CLASSES = "validation"
+"""``keep_largest_component="validation"``: the classes chosen on the validation cases after training
+(:func:`jcsaug.evaluation.postprocessing.choose_component_classes`, nnU-Net's choice)."""
+
+_COMPONENT_FORMS = "true, false, task, validation or a list of distinct foreground class ids, e.g. [1, 3]"
 
 
 def _as_label_map(labels: torch.Tensor | np.ndarray, spatial_dims: int | None) -> torch.Tensor:
@@ -86,9 +91,8 @@ def parse_component_classes(value: ComponentClasses) -> bool | str | tuple[int, 
     (:func:`component_classes` does both).
 
     A flag (:func:`~jcsaug.utils.as_flag`: bools, ``true``/``false``/... in any case, None; not a bare 0/1, which
-    could mean a class) is returned as a bool,
-    ``"task"`` as it is, a list or tuple of distinct integer class ids >= 1 (also written as a string,
-    ``"[1, 3]"``) as a sorted tuple.
+    could mean a class) is returned as a bool, ``"task"`` and ``"validation"`` as they are, a list or tuple of
+    distinct integer class ids >= 1 (also written as a string, ``"[1, 3]"``) as a sorted tuple.
 
     Raises:
         ValueError: ``keep_largest_component <value>: <what is wrong>; must be ...``.
@@ -100,8 +104,8 @@ def parse_component_classes(value: ComponentClasses) -> bool | str | tuple[int, 
     parsed: object = value
     if isinstance(value, str):
         text = value.strip()
-        if text.lower() == TASK_COMPONENT_CLASSES:
-            return TASK_COMPONENT_CLASSES
+        if text.lower() in (TASK_COMPONENT_CLASSES, VALIDATION_COMPONENT_CLASSES):
+            return text.lower()
         if text.startswith(("[", "(")):
             try:
                 parsed = ast.literal_eval(text)
@@ -135,14 +139,23 @@ def component_classes(
     ``False`` (or a false flag, None, ``[]``): none; ``True``: every foreground class ``1..num_classes-1``; a list of
     class ids (``[1, 3]``, or the string ``"[1, 3]"`` a command line may pass): those; ``"task"``: ``task_classes``
     (a task's :attr:`~jcsaug.tasks.TaskSpec.single_component_classes`, the classes that are one connected
-    structure; the dataset bundles pass their task's). The one parser of the setting, for the metrics, the saved
-    segmentations and the bundles' checks alike.
+    structure; the dataset bundles pass their task's). ``"validation"`` is resolved elsewhere, after training
+    (:func:`~jcsaug.evaluation.postprocessing.choose_component_classes`; later runs read the choice back with
+    :func:`~jcsaug.evaluation.postprocessing.read_component_classes`): refused here. The one parser of the setting,
+    for the metrics, the saved segmentations and the bundles' checks alike.
 
     Raises:
         ValueError: naming the value: not one of these forms, a class id that is not an integer, 0 (the
-            background), outside ``1..num_classes-1`` or given twice, or ``"task"`` without ``task_classes``.
+            background), outside ``1..num_classes-1`` or given twice, ``"task"`` without ``task_classes``, or
+            ``"validation"``.
     """
     parsed = parse_component_classes(value)
+    if parsed == VALIDATION_COMPONENT_CLASSES:
+        raise ValueError(
+            f"keep_largest_component {value!r}: the classes are chosen on the validation cases after training "
+            "(jcsaug.evaluation.choose_component_classes) and read back from the run's postprocessing.json "
+            "(read_component_classes); pass the classes they give here"
+        )
     if parsed == TASK_COMPONENT_CLASSES:
         if task_classes is None:
             raise ValueError(

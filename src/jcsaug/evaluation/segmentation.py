@@ -203,7 +203,8 @@ def evaluate_cases(
         ``{method: {"mean_dice", "mean_dice_per_class", "summary": {metric: {"mean", "per_class",
         "n_undefined", "n_undefined_per_class"}}, "empty_cases": {status: [count per class]},
         "per_case": [{"case", "dice", "mean_dice", "sensitivity", "precision", "hd95", "status",
-        "spacing"}], "failed_cases": [{"case", "error"}]}}`` (with ``report_classes`` also
+        "spacing"}], "failed_cases": [{"case", "error"}], "largest_component_classes": [the classes
+        post-processed]}}`` (with ``report_classes`` also
         ``"mean_dice_reported": {name: {"classes", "mean_dice"}}``) — per-case metric values are lists over the
         foreground classes; means are over the cases that did not fail.
     """
@@ -242,6 +243,7 @@ def evaluate_cases(
             "empty_cases": count_statuses(rows, num_classes),
             "per_case": rows,
             "failed_cases": failed,
+            "largest_component_classes": list(lcc_classes),
         }
         for name, rows in per_method.items()
     }
