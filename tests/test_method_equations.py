@@ -368,6 +368,35 @@ def test_tea_update_maps_back_centres_and_divides_by_counts(monkeypatch):
     assert unmapped - d0 > 0.5
 
 
+@pytest.mark.parametrize("estimator", ["gumbel", "paired"])
+def test_tea_op_score_with_identity_scores_each_op_in_the_ttas_pair(estimator):
+    """``op_score="with-identity"``: a copy is scored by the soft Dice loss of its mapped-back *logits* averaged
+    with the untouched copy's (the TTA's ensemble of identity and op): a mirror mapped back is the untouched
+    prediction again (D0); +0.05 averages to logits of +0.025 (D½), not the +0.05 of the op alone."""
+    ops = [TEA_OPS[0], TEA_OPS[38], TEA_OPS[54]]
+    label = torch.zeros(1, 8, 8, 8)
+    label[0, 4:, 4:, 4:] = 1
+    val = [{"image": label[None].clone(), "label": label[None]}]
+    policy = CategoricalPolicy([len(ops)]).double()
+    updater = TEAPolicyUpdater(policy, _Threshold(), val, lr=0.1, num_copies=2, ops=ops, seed=0,
+                               estimator=estimator, op_score="with-identity")  # fmt: skip
+    lab = label.numpy()
+    losses = updater._mapped_back_dice(label, label, [ops[1], ops[2]]).numpy()
+    d0 = _soft_dice_loss(_sigmoid(6 * (lab - 0.5)), lab)
+    half = _soft_dice_loss(_sigmoid(6 * (lab + 0.025 - 0.5)), lab)
+    alone = _soft_dice_loss(_sigmoid(6 * (lab + 0.05 - 0.5)), lab)
+    np.testing.assert_allclose(losses, [d0, d0, half], rtol=1e-5)
+    assert abs(half - alone) > 1e-4  # the pair is not the op alone
+    assert updater.resume_settings()["op_score"] == "with-identity"  # a resume must keep it
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run([0], max_epochs=1)
+    assert updater.updates == 1
+    assert "op_score" not in TEAPolicyUpdater(policy, _Threshold(), val, ops=ops).resume_settings()  # old runs
+    with pytest.raises(KeyError, match="with-identity"):
+        TEAPolicyUpdater(policy, _Threshold(), val, ops=ops, op_score="pair")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the collective step and the policy learning rate
 class _GivenGradient(PolicyUpdater):

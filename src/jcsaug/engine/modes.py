@@ -29,7 +29,7 @@ from ignite.engine import Engine
 from torch import nn
 
 from jcsaug.engine.posthoc import learn_tea_posthoc
-from jcsaug.engine.tea_updater import TEA_ESTIMATORS, TEAPolicyUpdater
+from jcsaug.engine.tea_updater import TEA_ESTIMATORS, TEA_OP_SCORES, TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRA_ESTIMATORS, TRAPolicyUpdater
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
@@ -197,6 +197,7 @@ class AugmentationSetup:
         tra_counterfactuals: counterfactual copies per training patch for the ``"paired"`` estimator; read
             :attr:`counterfactuals` for the pipeline's ``TRACascaded``.
         tea_estimator: ``"gumbel"`` or ``"paired"`` (see :class:`TEAPolicyUpdater`).
+        tea_op_score: ``"alone"`` or ``"with-identity"`` (see :class:`TEAPolicyUpdater`'s ``op_score``).
     """
 
     def __init__(
@@ -211,11 +212,13 @@ class AugmentationSetup:
         tra_counterfactuals: int = 2,
         tea_estimator: str = "gumbel",
         tea_policy_file: str | Path | None = None,
+        tea_op_score: str = "alone",
     ) -> None:
         self.tra, self.tea = get_tra_mode(tra_mode), get_tea_mode(tea_mode)
         self.tra_mode, self.tea_mode = self.tra.name, self.tea.name
         # unknown names: an error listing the valid ones, before anything is built
         self.tra_estimator, self.tea_estimator = TRA_ESTIMATORS.key(tra_estimator), TEA_ESTIMATORS.key(tea_estimator)
+        self.tea_op_score = TEA_OP_SCORES.key(tea_op_score)
         self.tra_counterfactuals = int(tra_counterfactuals)
         if self.tra_estimator == "paired" and self.tra.learned and self.tra_counterfactuals < 1:
             raise ValueError(f"tra_counterfactuals={tra_counterfactuals}: the paired TRA estimator needs at least 1")
@@ -303,6 +306,7 @@ class AugmentationSetup:
                 self.tea_policy, model, val_loader if tea_val_loader is None else tea_val_loader, lr=tea_lr,
                 update_every=tea_update_every, num_copies=num_copies, seed=seed, estimator=self.tea_estimator,
                 logit_budget=tea_logit_budget, patches=tea_patches, poly_power=tea_poly_power,
+                op_score=self.tea_op_score,
             )  # fmt: skip
         return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea, tea_tested=self.tea.from_file)
 

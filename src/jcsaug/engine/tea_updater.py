@@ -26,6 +26,15 @@ TEA_ESTIMATORS: Registry[str] = Registry(
     },
 )
 
+#: how one copy's op is scored (see :class:`TEAPolicyUpdater`'s ``op_score``)
+TEA_OP_SCORES: Registry[str] = Registry(
+    "TEA op score",
+    {
+        "alone": "the op's mapped-back prediction on its own (the paper's)",
+        "with-identity": "the op's mapped-back logits averaged with the untouched copy's, as the TTA ensemble uses it",
+    },
+)
+
 # soft Dice loss over *all* foreground classes (the reference code scores class 1 only: a bug)
 _SOFT_DICE = DiceLoss(include_background=False, to_onehot_y=True, softmax=False, reduction="none")
 
@@ -35,14 +44,16 @@ def soft_dice_loss(probs: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return _SOFT_DICE(probs, label).flatten(1).mean(1)
 
 
-def predict_by_shape(model: nn.Module, images: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Softmax predictions of single images ``[C, ...]``; images of equal shape go through together."""
+def predict_by_shape(model: nn.Module, images: Sequence[torch.Tensor], logits: bool = False) -> list[torch.Tensor]:
+    """Softmax predictions (``logits``: the logits) of single images ``[C, ...]``; images of equal shape go through
+    together."""
     out: list[torch.Tensor | None] = [None] * len(images)
     by_shape: dict[tuple, list[int]] = {}
     for i, x in enumerate(images):
         by_shape.setdefault(tuple(x.shape), []).append(i)
     for idx in by_shape.values():
-        probs = torch.softmax(main_output(model(torch.stack([images[i] for i in idx]))).float(), dim=1)
+        probs = main_output(model(torch.stack([images[i] for i in idx]))).float()
+        probs = probs if logits else torch.softmax(probs, dim=1)
         for j, i in enumerate(idx):
             out[i] = probs[j]
     return out  # type: ignore[return-value]
@@ -83,6 +94,10 @@ class TEAPolicyUpdater(PolicyUpdater):
         logit_budget: derive ``lr`` from the run's length (see :class:`PolicyUpdater`).
         patches: foreground-centred validation patches scored per update (each with its own Z copies).
         effect_smoothing: weight of a new measurement in an op's running effect estimate (``"paired"``).
+        op_score: how a copy's op is scored: ``"alone"`` (the paper's: its mapped-back prediction on its own) or
+            ``"with-identity"`` (its mapped-back logits averaged with the untouched copy's, as the TTA ensemble
+            averages them beside the identity: an op that helps the ensemble without being better alone, e.g. a
+            zoom out that undoes a magnified target, is credited).
 
     Example: learn a TEA policy for a frozen network, one update per iteration::
 
@@ -124,6 +139,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         logit_budget: float | None = None,
         patches: int = 1,
         effect_smoothing: float = 0.1,
+        op_score: str = "alone",
     ) -> None:
         super().__init__(
             policy,
@@ -142,7 +158,10 @@ class TEAPolicyUpdater(PolicyUpdater):
             raise ValueError(f"patches must be >= 1, got {patches}")
         self.estimator = estimator
         self.patches = int(patches)
+        self.op_score = TEA_OP_SCORES.key(op_score)
         self._settings.update(estimator=estimator, num_copies=int(num_copies), patches=self.patches)
+        if self.op_score != "alone":  # (checkpoints of runs before the setting record none: the default)
+            self._settings.update(op_score=self.op_score)
         self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
         if ops is None:
             from jcsaug.ops.tea import TEA_OPS
@@ -182,16 +201,20 @@ class TEAPolicyUpdater(PolicyUpdater):
         return found
 
     def _mapped_back_dice(self, image: torch.Tensor, label: torch.Tensor, ops: Sequence) -> torch.Tensor:
-        """Soft Dice losses ``[1 + len(ops)]`` of the untouched patch and of each op's mapped-back prediction."""
+        """Soft Dice losses ``[1 + len(ops)]`` of the untouched patch and of each op's mapped-back prediction (with
+        ``op_score="with-identity"``: of the average of its mapped-back logits and the untouched copy's)."""
+        pair = self.op_score == "with-identity"
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
                 copies = apply_tea_ops(ops, image.expand(len(ops), *image.shape), "image")  # one batched call
-                preds = predict_by_shape(self.model, [image, *copies])
+                preds = predict_by_shape(self.model, [image, *copies], logits=pair)
         finally:
             self.model.train(was_training)
         mapped = torch.stack([preds[0], *apply_tea_ops_by_shape(ops, preds[1:], "invert")])
+        if pair:  # the TTA's ensemble of the identity and the op: logits averaged (TEAInferer's average="logits")
+            mapped = torch.softmax(torch.cat([mapped[:1], (mapped[:1] + mapped[1:]) / 2]), dim=1)
         return soft_dice_loss(mapped, label.unsqueeze(0).expand(len(mapped), *label.shape)).double().cpu()
 
     def _paired_update(self, engine: Engine) -> None:
