@@ -97,7 +97,9 @@ class TEAPolicyUpdater(PolicyUpdater):
         op_score: how a copy's op is scored: ``"alone"`` (the paper's: its mapped-back prediction on its own) or
             ``"with-identity"`` (its mapped-back logits averaged with the untouched copy's, as the TTA ensemble
             averages them beside the identity: an op that helps the ensemble without being better alone, e.g. a
-            zoom out that undoes a magnified target, is credited).
+            zoom out that undoes a magnified target, is credited). A research setting: on the default synthetic
+            shift it credits zoom-ins that lower the soft Dice loss of the average but cost TTA Dice
+            (``benchmarks/README.md``, "A zoom shift").
 
     Example: learn a TEA policy for a frozen network, one update per iteration::
 
