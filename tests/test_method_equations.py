@@ -556,3 +556,25 @@ def test_collective_step_on_two_gloo_ranks_applies_the_mean(tmp_path):
     spawned: a forked rank could inherit a CUDA context the test process made.)"""
     torch.multiprocessing.start_processes(_gloo_rank, args=(str(tmp_path),), nprocs=2, start_method="spawn")
     _check_ranks({r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)})
+
+
+def test_tea_op_score_reaches_the_post_hoc_learning(monkeypatch):
+    """``tea_mode learned-posthoc``: the TEA learned after training scores its ops as ``tea_op_score`` says (the
+    setting is not ignored where the TEA is learned on the frozen network)."""
+    import jcsaug.engine.posthoc as posthoc
+    from jcsaug.engine import AugmentationSetup
+
+    seen = {}
+    real = posthoc.TEAPolicyUpdater
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(posthoc, "TEAPolicyUpdater", spy)
+    label = torch.zeros(1, 1, 8, 8, 8)
+    label[0, 0, 4:, 4:, 4:] = 1
+    setup = AugmentationSetup("heuristic", "learned-posthoc", tea_op_score="with-identity")
+    policy = setup.test_tea_policy(_Threshold(), [{"image": label.clone(), "label": label}], posthoc_iterations=1,
+                                   num_copies=2)  # fmt: skip
+    assert policy is setup.tea_policy and seen["op_score"] == "with-identity"

@@ -328,7 +328,7 @@ class AugmentationSetup:
                 raise ValueError(f"tea_mode {self.tea_mode!r} needs the trained network and a validation loader")
             learn_tea_posthoc(
                 network, val_loader, posthoc_iterations, posthoc_lr, num_copies, policy=self.tea_policy,
-                seed=seed, estimator=self.tea_estimator,
+                seed=seed, estimator=self.tea_estimator, op_score=self.tea_op_score,
             )  # fmt: skip
             self._posthoc_learned = True
         return self.tea_policy if self.tests_learned_tea else None

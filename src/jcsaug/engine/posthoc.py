@@ -24,11 +24,12 @@ def learn_tea_posthoc(
     seed: int = 0,
     progress: bool = True,
     estimator: str = "gumbel",
+    op_score: str = "alone",
 ) -> CategoricalPolicy:
     """Learn the TEA policy from the validation set with the network frozen (no model update).
 
     Runs an Ignite engine whose only work is the :class:`TEAPolicyUpdater` (one update per iteration);
-    the reference code's post-hoc run uses lr 5e-3 for 10 epochs. ``estimator`` is the
+    the reference code's post-hoc run uses lr 5e-3 for 10 epochs. ``estimator`` and ``op_score`` are the
     :class:`TEAPolicyUpdater`'s. Returns the learned policy.
     """
     if iterations < 1:
@@ -38,7 +39,7 @@ def learn_tea_posthoc(
     frozen = {n: t.detach().clone() for n, t in network.state_dict().items() if isinstance(t, torch.Tensor)}
     engine = Engine(lambda engine, batch: None)  # the model is never updated
     updater = TEAPolicyUpdater(
-        policy, network, val_loader, lr=lr, num_copies=num_copies, seed=seed, estimator=estimator
+        policy, network, val_loader, lr=lr, num_copies=num_copies, seed=seed, estimator=estimator, op_score=op_score
     )
     updater.sync_ranks = False  # may run on one rank only (a rank-0 evaluation): no collective all-reduce
     updater.attach(engine)

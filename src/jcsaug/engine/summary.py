@@ -63,9 +63,9 @@ class RunSummary:
             out += _reported_dice(methods)
             kept = next(iter(methods.values())).get("largest_component_classes")
             if kept:
-                chosen = (self.output_dir / "postprocessing.json").is_file()
-                chosen = " (chosen on the validation cases)" if chosen else ""
-                out.append(f"  post-processed: the largest connected component of classes {kept}{chosen}")
+                on_validation = (self.output_dir / "postprocessing.json").is_file()
+                how = " (chosen on the validation cases)" if on_validation else ""
+                out.append(f"  post-processed: the largest connected component of classes {kept}{how}")
         if self.tra_policy is not None and self.start_tra is not None:
             groups = [_changed(policy_changes(self.tra_policy, self.start_tra, g), self.top_k)
                       for g in range(self.tra_policy.num_groups)]  # fmt: skip
