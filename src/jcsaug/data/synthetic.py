@@ -88,7 +88,8 @@ SPLITS: dict[str, tuple[str, str, str]] = {
 
 _DOMAINS = {
     # long axis of the lesions, mirror along array axis 0, gamma range (None = no gamma), Gaussian blur sigma range
-    # of the z-scored image (None = no blur; a missing key reads as None)
+    # of the z-scored image (None = no blur), magnification range (None = none), sd range of the added noise
+    # (None = none); a mapping's missing key reads as the source's (resolve_target_shift)
     "source": {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": None, "scale": None, "noise": None},
     "target": {"long_axis": 2, "mirror_axis0": True, "gamma": (1.4, 1.6), "blur": None, "scale": None, "noise": None},
 }

@@ -39,6 +39,7 @@ from torch import nn
 
 from jcsaug.data.checks import pair_problems
 from jcsaug.engine.resume import RESUME_FILE, check_resume_matches
+from jcsaug.evaluation.postprocessing import POSTPROCESSING_NAME
 from jcsaug.utils import as_flag
 
 __all__ = [
@@ -66,7 +67,7 @@ RUN_ARTEFACTS = (
     "per_case.csv",
     "metrics_evaluate.json",
     "per_case_evaluate.csv",
-    "postprocessing.json",
+    POSTPROCESSING_NAME,
     "tensorboard",
     "predictions",
 )
@@ -410,10 +411,10 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
     for which, mode in (("tra", tra), ("tea", tea)):
         problems += _policy_file_problems(which, mode, settings, valid)
     if valid("keep_largest_component") and valid("num_classes"):  # 'task': the TaskSpec checks its own classes
-        from jcsaug.evaluation.metrics import VALIDATION_COMPONENT_CLASSES, component_classes, parse_component_classes
+        from jcsaug.evaluation.metrics import component_classes
 
         try:  # 'validation': chosen after training among the foreground classes (check_data: the split has cases)
-            if parse_component_classes(settings["keep_largest_component"]) != VALIDATION_COMPONENT_CLASSES:
+            if not _chooses_on_validation(settings["keep_largest_component"]):
                 component_classes(settings["keep_largest_component"], settings["num_classes"], task_classes=())
         except ValueError as err:
             problems.append(f"--{err}")

@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from jcsaug.evaluation.postprocessing import POSTPROCESSING_NAME
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.changes import OpChange, policy_changes
 
@@ -63,7 +64,7 @@ class RunSummary:
             out += _reported_dice(methods)
             kept = next(iter(methods.values())).get("largest_component_classes")
             if kept:
-                on_validation = (self.output_dir / "postprocessing.json").is_file()
+                on_validation = (self.output_dir / POSTPROCESSING_NAME).is_file()
                 how = " (chosen on the validation cases)" if on_validation else ""
                 out.append(f"  post-processed: the largest connected component of classes {kept}{how}")
         if self.tra_policy is not None and self.start_tra is not None:
@@ -84,7 +85,7 @@ class RunSummary:
                 f"  {u.name} policy updates: {u.updates} done, {u.skipped} skipped{share}"
                 + (f" ({reasons})" if reasons else "")
             )
-        files = [self.metrics_name, "policies.json", "policies.png", "policy_history.png", "postprocessing.json"]
+        files = [self.metrics_name, "policies.json", "policies.png", "policy_history.png", POSTPROCESSING_NAME]
         present = [str(self.output_dir / f) for f in files if (self.output_dir / f).is_file()]
         if present:
             out.append("  files: " + ", ".join(present))

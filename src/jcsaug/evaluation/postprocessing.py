@@ -92,8 +92,9 @@ def choose_component_classes(
             image = torch.as_tensor(data[image_key]).unsqueeze(0).to(device)
             pred = inferer(image, network).argmax(1)[0].cpu().numpy()
             truth = np.asarray(torch.as_tensor(data[label_key]).cpu())[0]
+            # one pass for every class: each keeps its own largest component, independently of the others
+            kept = largest_connected_component(pred, num_classes, classes=classes).numpy()
             for c in classes:
-                kept = largest_connected_component(pred, num_classes, classes=[c]).numpy()
                 without[c].append(_class_dice(pred, truth, c))
                 with_lcc[c].append(_class_dice(kept, truth, c))
     chosen = tuple(c for c in classes if nanmean(with_lcc[c]) > nanmean(without[c]))
