@@ -368,6 +368,35 @@ def test_tea_update_maps_back_centres_and_divides_by_counts(monkeypatch):
     assert unmapped - d0 > 0.5
 
 
+@pytest.mark.parametrize("op_name", ["scale_down_0.45", "scale_up_0.25", "rotate_frontal_acw_15"])
+def test_tea_scores_each_op_by_its_mapped_back_logits_as_the_tta_forms_them(op_name):
+    """A copy's soft Dice loss is that of the softmax of its *logits* mapped back, exactly what the TTA averages
+    (``TEAInferer``, the reference code's inversion); mapping back softmax probabilities by an interpolating inverse
+    blurs the lesion border and scored a zoom out much worse than its TTA prediction is."""
+    from jcsaug.engine.tea_updater import soft_dice_loss
+    from jcsaug.inference import TEAInferer
+    from jcsaug.ops.tea import get_tea_op
+
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 2, 1).double()  # a confident threshold at 2: logits -+3 (x - 2)
+    with torch.no_grad():
+        net.weight.copy_(torch.tensor([-3.0, 3.0]).view(2, 1, 1, 1, 1))
+        net.bias.copy_(torch.tensor([6.0, -6.0]))
+    label = torch.zeros(1, 16, 16, 16)
+    label[0, 5:11, 4:12, 6:10] = 1
+    image = (4 * label + 0.3 * torch.randn_like(label)).double()
+    op = get_tea_op(op_name)
+    policy = CategoricalPolicy([len(TEA_OPS)]).double()
+    updater = TEAPolicyUpdater(policy, net, [], num_copies=1)
+    losses = updater._mapped_back_dice(image, label, [op])
+    with torch.no_grad():
+        tta = TEAInferer([op])(image[None], net)
+        by_probs = op.invert(torch.softmax(net(op.transform_image(image[None])), 1))
+    expected = soft_dice_loss(torch.softmax(tta, 1), label[None])
+    torch.testing.assert_close(losses[1:], expected.double(), rtol=1e-4, atol=1e-6)
+    assert abs(float(losses[1]) - float(soft_dice_loss(by_probs, label[None]))) > 1e-3  # not the probabilities
+
+
 @pytest.mark.parametrize("estimator", ["gumbel", "paired"])
 def test_tea_op_score_with_identity_scores_each_op_in_the_ttas_pair(estimator):
     """``op_score="with-identity"``: a copy is scored by the soft Dice loss of its mapped-back *logits* averaged

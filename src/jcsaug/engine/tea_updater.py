@@ -204,20 +204,25 @@ class TEAPolicyUpdater(PolicyUpdater):
 
     def _mapped_back_dice(self, image: torch.Tensor, label: torch.Tensor, ops: Sequence) -> torch.Tensor:
         """Soft Dice losses ``[1 + len(ops)]`` of the untouched patch and of each op's mapped-back prediction (with
-        ``op_score="with-identity"``: of the average of its mapped-back logits and the untouched copy's)."""
-        pair = self.op_score == "with-identity"
+        ``op_score="with-identity"``: of the average of its mapped-back logits and the untouched copy's).
+
+        The *logits* are mapped back and then turned into probabilities, as the reference code and the TTA
+        (:class:`jcsaug.inference.TEAInferer`, ``average="logits"``) do: mapping back softmax probabilities by an
+        interpolating inverse (a zoom out's zoom in) blurs every lesion border, which the soft Dice penalises though
+        the hard segmentation is unchanged, so zoom outs were scored far below what they are worth at test time."""
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
                 copies = apply_tea_ops(ops, image.expand(len(ops), *image.shape), "image")  # one batched call
-                preds = predict_by_shape(self.model, [image, *copies], logits=pair)
+                logits = predict_by_shape(self.model, [image, *copies], logits=True)
         finally:
             self.model.train(was_training)
-        mapped = torch.stack([preds[0], *apply_tea_ops_by_shape(ops, preds[1:], "invert")])
-        if pair:  # the TTA's ensemble of the identity and the op: logits averaged (TEAInferer's average="logits")
-            mapped = torch.softmax(torch.cat([mapped[:1], (mapped[:1] + mapped[1:]) / 2]), dim=1)
-        return soft_dice_loss(mapped, label.unsqueeze(0).expand(len(mapped), *label.shape)).double().cpu()
+        mapped = torch.stack([logits[0], *apply_tea_ops_by_shape(ops, logits[1:], "invert")])
+        if self.op_score == "with-identity":  # the TTA's ensemble of the identity and the op: logits averaged
+            mapped = torch.cat([mapped[:1], (mapped[:1] + mapped[1:]) / 2])
+        probs = torch.softmax(mapped, dim=1)
+        return soft_dice_loss(probs, label.unsqueeze(0).expand(len(probs), *label.shape)).double().cpu()
 
     def _paired_update(self, engine: Engine) -> None:
         measured_ops, effects, untouched, augmented = [], [], [], []
