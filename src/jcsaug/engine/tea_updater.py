@@ -65,11 +65,11 @@ class TEAPolicyUpdater(PolicyUpdater):
 
     Each patch is copied Z+1 times: copy 0 stays untouched, copies 1..Z are transformed by ops drawn
     from the TEA policy (Gumbel-softmax). The current network predicts each copy (no gradient through
-    the network), every prediction is mapped back by its op's inverse, and scored by soft Dice against
-    the label over all foreground classes. The loss ``sum_k w_k Dice_k / sum_k w_k`` gives centred
-    gradients ``dL/dw_k``, which are divided by how often op k was drawn before the Adam step. With several
-    patches the loss is the mean of the patches' losses (each centred on its own copies) and the counts are
-    over all patches' copies.
+    the network), every copy's logits are mapped back by its op's inverse (as the TTA maps them back), turned
+    into probabilities and scored by soft Dice against the label over all foreground classes. The loss
+    ``sum_k w_k Dice_k / sum_k w_k`` gives centred gradients ``dL/dw_k``, which are divided by how often op k was
+    drawn before the Adam step. With several patches the loss is the mean of the patches' losses (each centred on
+    its own copies) and the counts are over all patches' copies.
 
     Estimators:
 
