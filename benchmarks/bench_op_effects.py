@@ -38,8 +38,14 @@ counterfactual copies are (``replace_series_op``, then ``apply_tra_batch``, imag
 checkpoint's learned policy when it holds one, else the config's ``tra_preset``; the tested series kept at the
 identity), the same draw under every T, as the learner's copies keep the other series as drawn.
 
+``--ops all`` measures every op of the catalogue. ``--gradient-ratio`` adds, per class group and single op, the
+mean over patches of ``|grad l_train(T(x))| / |grad l_train(x)|`` (how much larger the op makes a patch's training
+gradient; one backward pass per patch and op) and Spearman's rank correlation of the effects with it: near +1, the
+one-step estimate credits ops for the larger gradients of the harder patches they make rather than for what they
+teach (the zoom shift of ``benchmarks/README.md``: quarter turns the target does not call for outrank its zoom).
+
 Printed: the meaning of a positive number, a progress line per state (validation loss, ||v||, seconds), then
-the table; ``--out FILE.md`` writes it as Markdown too.
+the table (and the ratio table, best effect first); ``--out FILE.md`` writes them as Markdown too.
 """
 
 from __future__ import annotations
@@ -103,6 +109,11 @@ def parse_op(name: str) -> Op:
 def undoing_ops(domain_shift: Mapping) -> list[str]:
     """The TRA ops that undo a dataset's shift (``dataset.json`` ``domain_shift.undone_by.tra``), as names."""
     return [f"{e['series']}/{e['op']}" for e in domain_shift["undone_by"]["tra"]]
+
+
+def all_ops() -> list[str]:
+    """Every non-identity op of the TRA catalogue, as names (``--ops all``)."""
+    return [f"{series.name}/{op.name}" for series in TRA_SERIES for op in series.ops]
 
 
 def default_ops(domain_shift: Mapping) -> list[str]:
@@ -308,6 +319,18 @@ def directional_scores(
 
 
 # ----------------------------------------------------------------------------------------------- core
+def gradient_norms(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                   train_loss: Callable) -> np.ndarray:  # fmt: skip
+    """``[n]``: the norm of each patch's own training-loss gradient ``|grad l_train(x_i)|`` (one backward pass per
+    patch: a JVP gives a gradient's projections, not its length)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norms = []
+    for i in range(len(images)):
+        grads = torch.autograd.grad(train_loss(model(images[i : i + 1]), labels[i : i + 1]).sum(), params)
+        norms.append(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))))
+    return np.asarray(norms)
+
+
 def score_transforms(
     model: torch.nn.Module,
     patches: Patches,
@@ -316,8 +339,11 @@ def score_transforms(
     train_loss: Callable,
     contexts: Mapping[int, Sequence[TRAParams]] | None = None,
     batch: int = 16,
+    norms: dict[int, dict[str, np.ndarray]] | None = None,
 ) -> dict[int, dict[str, np.ndarray]]:
-    """Per class group and transform, the scores ``[n, K]`` (x SCALE) of its patches under the same draws."""
+    """Per class group and transform, the scores ``[n, K]`` (x SCALE) of its patches under the same draws; with a
+    ``norms`` dict, also each patch's training-gradient norm (:func:`gradient_norms`) of every single-op transform
+    and the identity, stored there the same way (``[n]``)."""
     device = next(model.parameters()).device
     out = {}
     for group, (images, labels) in patches.items():
@@ -328,7 +354,49 @@ def score_transforms(
         for name, ops in plan.transforms.items():
             x, y = apply_params(images, labels, draw_params(seeds, ops, base))
             out[group][name] = directional_scores(model, directions, x, y, train_loss, batch) * SCALE
+            if norms is not None and len(ops) <= 1:
+                norms.setdefault(group, {})[name] = gradient_norms(model, x, y, train_loss)
     return out
+
+
+def gradient_ratio_rows(scores: Mapping[int, Mapping[str, np.ndarray]], norms: Mapping[int, Mapping[str, np.ndarray]],
+                        state: str, names: Mapping) -> list[dict]:  # fmt: skip
+    """Per class group and single op: its effect and ``ratio``, the mean over patches of ``|grad l(T(x))| /
+    |grad l(x)|`` (how much larger the op makes the patch's training gradient); per group also Spearman's rank
+    correlation ``rho`` of the effect with the ratio over the ops (+1: the larger the gradient an op makes, the
+    more credit the one-step estimate gives it, whatever the invariance it teaches)."""
+    from scipy.stats import spearmanr
+
+    rows = []
+    for group, by_name in norms.items():
+        base, plain = scores[group][IDENTITY], by_name[IDENTITY]
+        group_rows = [{"state": state, "group": names[group], "transform": name,
+                       "effect": float((scores[group][name] - base).mean()), "ratio": float(np.mean(n / plain))}
+                      for name, n in by_name.items() if name != IDENTITY]  # fmt: skip
+        rho = spearmanr([r["effect"] for r in group_rows], [r["ratio"] for r in group_rows]).statistic
+        for r in group_rows:
+            r["rho"] = float(rho) if len(group_rows) > 2 else float("nan")
+        rows += sorted(group_rows, key=lambda r: -r["effect"])
+    return rows
+
+
+def format_ratio_table(rows: Sequence[dict], undoing: Sequence[str], markdown: bool = False) -> str:
+    """The ``--gradient-ratio`` rows, best effect first per state and group, with the rank of every op and the
+    correlation line of each group."""
+    lines = []
+    for (state, group), block in itertools.groupby(rows, key=lambda r: (r["state"], r["group"])):
+        block = list(block)
+        head = (f"{state} {group}: Spearman(effect, gradient ratio) over {len(block)} ops = {block[0]['rho']:+.2f}")
+        if markdown:
+            lines += ["", f"{head}", "", "| rank | op | effect | gradient ratio |", "|---|---|---|---|"]
+            lines += [f"| {i} | `{r['transform']}`{' (undoes the shift)' if r['transform'] in undoing else ''} | "
+                      f"{r['effect']:+.1f} | {r['ratio']:.2f} |" for i, r in enumerate(block, 1)]  # fmt: skip
+        else:
+            lines += ["", head, f"  {'rank':>4s} {'op':42s} {'effect':>9s} {'ratio':>6s}"]
+            lines += [f"  {i:4d} {r['transform']:42s} {r['effect']:+9.1f} {r['ratio']:6.2f}"
+                      f"{'  <- undoes the shift' if r['transform'] in undoing else ''}"
+                      for i, r in enumerate(block, 1)]  # fmt: skip
+    return "\n".join(lines)
 
 
 def mean_se(values: np.ndarray) -> tuple[float, float]:
@@ -391,7 +459,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dataset-dir", type=Path, required=True, help="a make_synthetic_dataset folder")
     parser.add_argument("--checkpoint", type=Path, nargs="+", required=True, help="bundle checkpoints (states)")
     parser.add_argument("--ops", nargs="+", default=None, metavar="SERIES/OP",
-                        help="TRA ops (default: those undoing the dataset's shift + rotate±[20,30))")  # fmt: skip
+                        help="TRA ops or 'all' (default: the shift's undoing ops + rotate±[20,30))")  # fmt: skip
+    parser.add_argument("--gradient-ratio", action="store_true",
+                        help="also each op's training-gradient ratio, correlated with the effect")  # fmt: skip
     parser.add_argument("--patches-per-group", type=int, default=48)
     parser.add_argument("--val-directions", type=int, default=2, help="validation directions v (averaged over)")
     parser.add_argument("--context", choices=["none", "drawn"], default="none",
@@ -423,22 +493,27 @@ def measure_state(
         policy = training_policy(parser, checkpoint, len(patches))
         keep = sorted({s for ops in plan.transforms.values() for s, _ in ops})
         contexts = {g: draw_context(patch_seeds(len(p[0]), g), g, policy, keep) for g, p in patches.items()}
-    scores = score_transforms(model, patches, plan, directions, get_loss(parser["train_loss"]), contexts, args.batch)
+    grad_norms = {} if args.gradient_ratio else None
+    scores = score_transforms(model, patches, plan, directions, get_loss(parser["train_loss"]), contexts, args.batch,
+                              grad_norms)  # fmt: skip
     name = state_name(checkpoint)
     norms = ", ".join(f"{float(flat_norm(v)):.3f}" for v in directions)
     line = (f"{name}: validation {parser['val_loss']} loss {loss:.3f}, ||v|| = {norms}, "
             f"{time.perf_counter() - start:.0f} s")  # fmt: skip
-    return summarise(scores, plan, name, group_names(args.dataset_dir)), line
+    groups = group_names(args.dataset_dir)
+    ratios = gradient_ratio_rows(scores, grad_norms, name, groups) if grad_norms is not None else []
+    return summarise(scores, plan, name, groups), line, ratios
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    """Run the benchmark; returns the table's rows."""
+    """Run the benchmark; returns the table's rows (with ``--gradient-ratio``, then the ratio rows, which hold a
+    ``ratio`` key)."""
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     shift = json.loads((args.dataset_dir / "dataset.json").read_text())["domain_shift"]
     undoing = undoing_ops(shift)
-    plan = plan_transforms(args.ops or default_ops(shift), undoing)
+    plan = plan_transforms(all_ops() if args.ops == ["all"] else args.ops or default_ops(shift), undoing)
     overrides = {"patch_size": list(args.patch_size)} if args.patch_size else {}
     parser = bundle_config(args.config, overrides)
     train = load_split(parser, args.dataset_dir, "training")
@@ -450,20 +525,27 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
           f"x {SCALE:g}: positive = one SGD step on T(x) is predicted to lower the target validation loss more "
           f"than one on the plain patch x. {args.patches_per_group} patches per group, {args.val_directions} "
           f"directions v, context {args.context}.", flush=True)  # fmt: skip
-    rows = []
+    rows, ratios = [], []
     for checkpoint in args.checkpoint:
-        state_rows, line = measure_state(args, parser, checkpoint, patches, val, plan)
+        state_rows, line, state_ratios = measure_state(args, parser, checkpoint, patches, val, plan)
         rows += state_rows
+        ratios += state_ratios
         print(line, flush=True)
     print()
     print(format_table(rows))
+    if ratios:
+        print(format_ratio_table(ratios, undoing))
     if args.out:
         header = (f"## One-step effect of TRA ops, dataset `{args.dataset_dir}` (shift `{shift['name']}`), "
                   f"context {args.context}, seed {args.seed}")  # fmt: skip
+        text = format_markdown(rows, header)
+        if ratios:
+            text += "\n### Training-gradient ratio of each op\n"
+            text += format_ratio_table(ratios, undoing, markdown=True) + "\n"
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(format_markdown(rows, header))
+        args.out.write_text(text)
         print(f"\nwritten {args.out}")
-    return rows
+    return rows + ratios
 
 
 if __name__ == "__main__":

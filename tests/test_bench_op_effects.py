@@ -80,3 +80,49 @@ def test_effect_is_the_norm_of_v_when_v_is_the_gradient_gap_of_the_transform(ben
         assert norm > 0
         assert rows[op]["effect"] == pytest.approx(norm, rel=1e-3)
         assert rows["identity"]["effect"] == 0.0
+
+
+def test_moves_keep_a_voxelwise_networks_gradient_norm_and_the_ratio_table(bench):
+    """``--gradient-ratio``: a 1x1x1 convolution's loss is a mean over voxels, so mirrors and quarter turns give the
+    patch's own gradient norm (ratio exactly 1), intensity ops another; every single op gets a row per group, best
+    effect first, with the group's rank correlation."""
+    torch.manual_seed(0)
+    net = torch.nn.Conv3d(1, 2, 1)
+    label = torch.zeros(4, 1, 8, 8, 8)
+    label[:, :, 2:6, 3:5, 1:7] = 1
+    images = label + 0.2 * torch.randn(label.shape)
+    moves = ["rotate_frontal/rot90", "mirror_sagittal/flip", "rotate_longitudinal/rot90"]
+    ops = [*moves, "gamma/gamma±[0.4,0.6)", "contrast/contrast±[0.2,0.3)"]
+    plan = bench.plan_transforms(ops, [])
+    v = {n: torch.randn_like(p) for n, p in net.named_parameters()}
+    norms = {}
+    loss = bench.get_loss("ce+dice")
+    scores = bench.score_transforms(net, {1: (images, label)}, plan, [v], loss, norms=norms)
+    assert set(norms[1]) == {"identity", *ops}
+    plain = norms[1]["identity"]
+    assert plain.shape == (4,) and (plain > 0).all()
+    by_hand = torch.autograd.grad(loss(net(images[:1]), label[:1]).sum(), list(net.parameters()))
+    assert plain[0] == pytest.approx(float(torch.sqrt(sum((g**2).sum() for g in by_hand))), rel=1e-5)
+    rows = bench.gradient_ratio_rows(scores, norms, "s", {1: "lesion"})
+    assert [r["transform"] for r in rows] == sorted(ops, key=lambda n: -(scores[1][n] - scores[1]["identity"]).mean())
+    ratio = {r["transform"]: r["ratio"] for r in rows}
+    for name in moves:
+        assert ratio[name] == pytest.approx(1.0, abs=1e-5), name
+    assert abs(ratio["gamma/gamma±[0.4,0.6)"] - 1.0) > 1e-4
+    assert all(-1.0 <= r["rho"] <= 1.0 for r in rows)
+    text = bench.format_ratio_table(rows, ["mirror_sagittal/flip"], markdown=True)
+    assert "Spearman(effect, gradient ratio) over 5 ops" in text and text.count("(undoes the shift)") == 1
+    assert len(bench.all_ops()) == 47 and bench.plan_transforms(bench.all_ops(), []).transforms.keys() >= set(ops)
+
+
+def test_all_ops_with_the_gradient_ratio_end_to_end(bench, setup, tmp_path, capsys):
+    torch.set_num_threads(1)
+    data, checkpoint, _ = setup
+    out = tmp_path / "effects.md"
+    rows = bench.main(["--dataset-dir", str(data), "--checkpoint", str(checkpoint), "--patch-size", *map(str, PATCH),
+                       "--patches-per-group", "1", "--val-directions", "1", "--ops", "all", "--gradient-ratio",
+                       "--out", str(out)])  # fmt: skip
+    ratios = [r for r in rows if "ratio" in r]
+    assert len(ratios) == 2 * 47 and all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in ratios)
+    assert "Spearman(effect, gradient ratio) over 47 ops" in capsys.readouterr().out
+    assert out.read_text().count("(undoes the shift)") == 2 * 3  # the default shift's three ops, in both groups
