@@ -369,10 +369,10 @@ def test_tea_update_maps_back_centres_and_divides_by_counts(monkeypatch):
 
 
 @pytest.mark.parametrize("op_name", ["scale_down_0.45", "scale_up_0.25", "rotate_frontal_acw_15"])
-def test_tea_scores_each_op_by_its_mapped_back_logits_as_the_tta_forms_them(op_name):
-    """A copy's soft Dice loss is that of the softmax of its *logits* mapped back, exactly what the TTA averages
-    (``TEAInferer``, the reference code's inversion); mapping back softmax probabilities by an interpolating inverse
-    blurs the lesion border and scored a zoom out much worse than its TTA prediction is."""
+def test_tea_op_scores_alone_map_back_probabilities_or_logits(op_name):
+    """``op_score="alone"`` (the default) scores a copy by its softmax probabilities mapped back; ``"alone-logits"``
+    by the softmax of its logits mapped back, exactly what the TTA averages (``TEAInferer``, the reference code's
+    inversion). With an interpolating inverse the two differ."""
     from jcsaug.engine.tea_updater import soft_dice_loss
     from jcsaug.inference import TEAInferer
     from jcsaug.ops.tea import get_tea_op
@@ -387,14 +387,16 @@ def test_tea_scores_each_op_by_its_mapped_back_logits_as_the_tta_forms_them(op_n
     image = (4 * label + 0.3 * torch.randn_like(label)).double()
     op = get_tea_op(op_name)
     policy = CategoricalPolicy([len(TEA_OPS)]).double()
-    updater = TEAPolicyUpdater(policy, net, [], num_copies=1)
-    losses = updater._mapped_back_dice(image, label, [op])
     with torch.no_grad():
-        tta = TEAInferer([op])(image[None], net)
-        by_probs = op.invert(torch.softmax(net(op.transform_image(image[None])), 1))
-    expected = soft_dice_loss(torch.softmax(tta, 1), label[None])
-    torch.testing.assert_close(losses[1:], expected.double(), rtol=1e-4, atol=1e-6)
-    assert abs(float(losses[1]) - float(soft_dice_loss(by_probs, label[None]))) > 1e-3  # not the probabilities
+        by_logits = soft_dice_loss(torch.softmax(TEAInferer([op])(image[None], net), 1), label[None]).double()
+        by_probs = soft_dice_loss(op.invert(torch.softmax(net(op.transform_image(image[None])), 1)), label[None])
+    scored = {score: TEAPolicyUpdater(policy, net, [], num_copies=1, op_score=score)._mapped_back_dice(image, label,
+                                                                                                     [op])
+              for score in ("alone", "alone-logits")}  # fmt: skip
+    torch.testing.assert_close(scored["alone-logits"][1:], by_logits, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(scored["alone"][1:], by_probs.double(), rtol=1e-4, atol=1e-6)
+    assert abs(float(by_logits) - float(by_probs)) > 1e-3  # the two orders differ for this op
+    assert scored["alone"][0] == scored["alone-logits"][0]  # the untouched copy is scored alike
 
 
 @pytest.mark.parametrize("estimator", ["gumbel", "paired"])

@@ -30,7 +30,9 @@ TEA_ESTIMATORS: Registry[str] = Registry(
 TEA_OP_SCORES: Registry[str] = Registry(
     "TEA op score",
     {
-        "alone": "the op's mapped-back prediction on its own (the paper's)",
+        "alone": "the op's mapped-back prediction on its own (the paper's), its softmax probabilities mapped back",
+        "alone-logits": "the op's mapped-back prediction on its own, its logits mapped back (as the TTA and the "
+        "reference code map them) and then softmax",
         "with-identity": "the op's mapped-back logits averaged with the untouched copy's, as the TTA ensemble uses it",
     },
 )
@@ -65,8 +67,8 @@ class TEAPolicyUpdater(PolicyUpdater):
 
     Each patch is copied Z+1 times: copy 0 stays untouched, copies 1..Z are transformed by ops drawn
     from the TEA policy (Gumbel-softmax). The current network predicts each copy (no gradient through
-    the network), every copy's logits are mapped back by its op's inverse (as the TTA maps them back), turned
-    into probabilities and scored by soft Dice against the label over all foreground classes. The loss
+    the network), every prediction (softmax probabilities; ``op_score``: logits) is mapped back by its op's inverse
+    and scored by soft Dice against the label over all foreground classes. The loss
     ``sum_k w_k Dice_k / sum_k w_k`` gives centred gradients ``dL/dw_k``, which are divided by how often op k was
     drawn before the Adam step. With several patches the loss is the mean of the patches' losses (each centred on
     its own copies) and the counts are over all patches' copies.
@@ -94,8 +96,13 @@ class TEAPolicyUpdater(PolicyUpdater):
         logit_budget: derive ``lr`` from the run's length (see :class:`PolicyUpdater`).
         patches: foreground-centred validation patches scored per update (each with its own Z copies).
         effect_smoothing: weight of a new measurement in an op's running effect estimate (``"paired"``).
-        op_score: how a copy's op is scored: ``"alone"`` (the paper's: its mapped-back prediction on its own) or
-            ``"with-identity"`` (its mapped-back logits averaged with the untouched copy's, as the TTA ensemble
+        op_score: how a copy's op is scored: ``"alone"`` (the paper's: its mapped-back prediction on its own, the
+            softmax probabilities mapped back), ``"alone-logits"`` (the same with the logits mapped back and then
+            the softmax, as the TTA and the reference code map them back; a research setting: an interpolating
+            inverse no longer blurs the lesion border of a zoom out's prediction, so zoom outs score higher, but
+            zoom ins too, and the TEA learned alone on the default synthetic shift lost about 6 TTA Dice,
+            ``benchmarks/README.md``) or ``"with-identity"`` (its mapped-back logits averaged with the untouched
+            copy's, as the TTA ensemble
             averages them beside the identity: an op that helps the ensemble without being better alone, e.g. a
             zoom out that undoes a magnified target, is credited). A research setting: on the default synthetic
             shift it credits zoom-ins that lower the soft Dice loss of the average but cost TTA Dice
@@ -203,25 +210,23 @@ class TEAPolicyUpdater(PolicyUpdater):
         return found
 
     def _mapped_back_dice(self, image: torch.Tensor, label: torch.Tensor, ops: Sequence) -> torch.Tensor:
-        """Soft Dice losses ``[1 + len(ops)]`` of the untouched patch and of each op's mapped-back prediction (with
-        ``op_score="with-identity"``: of the average of its mapped-back logits and the untouched copy's).
-
-        The *logits* are mapped back and then turned into probabilities, as the reference code and the TTA
-        (:class:`jcsaug.inference.TEAInferer`, ``average="logits"``) do: mapping back softmax probabilities by an
-        interpolating inverse (a zoom out's zoom in) blurs every lesion border, which the soft Dice penalises though
-        the hard segmentation is unchanged, so zoom outs were scored far below what they are worth at test time."""
+        """Soft Dice losses ``[1 + len(ops)]`` of the untouched patch and of each op's mapped-back prediction: its
+        softmax probabilities mapped back (``op_score="alone"``), its logits mapped back and then the softmax
+        (``"alone-logits"``, as :class:`jcsaug.inference.TEAInferer` forms it), or the average of its mapped-back
+        logits and the untouched copy's (``"with-identity"``)."""
+        logits = self.op_score != "alone"
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
                 copies = apply_tea_ops(ops, image.expand(len(ops), *image.shape), "image")  # one batched call
-                logits = predict_by_shape(self.model, [image, *copies], logits=True)
+                preds = predict_by_shape(self.model, [image, *copies], logits=logits)
         finally:
             self.model.train(was_training)
-        mapped = torch.stack([logits[0], *apply_tea_ops_by_shape(ops, logits[1:], "invert")])
+        mapped = torch.stack([preds[0], *apply_tea_ops_by_shape(ops, preds[1:], "invert")])
         if self.op_score == "with-identity":  # the TTA's ensemble of the identity and the op: logits averaged
             mapped = torch.cat([mapped[:1], (mapped[:1] + mapped[1:]) / 2])
-        probs = torch.softmax(mapped, dim=1)
+        probs = torch.softmax(mapped, dim=1) if logits else mapped
         return soft_dice_loss(probs, label.unsqueeze(0).expand(len(probs), *label.shape)).double().cpu()
 
     def _paired_update(self, engine: Engine) -> None:
