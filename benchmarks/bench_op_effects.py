@@ -64,6 +64,7 @@ import numpy as np
 import torch
 from monai.bundle import ConfigParser
 from monai.data import load_decathlon_datalist
+from scipy.stats import spearmanr
 
 from jcsaug.engine.hypergradient import flat_norm, jvp_hypergradient
 from jcsaug.engine.losses import chunked_loss, get_loss
@@ -365,18 +366,18 @@ def gradient_ratio_rows(scores: Mapping[int, Mapping[str, np.ndarray]], norms: M
     """Per class group and single op: its effect and ``ratio``, the mean over patches of ``|grad l(T(x))| /
     |grad l(x)|`` (how much larger the op makes the patch's training gradient); per group also Spearman's rank
     correlation ``rho`` of the effect with the ratio over the ops (+1: the larger the gradient an op makes, the
-    more credit the one-step estimate gives it, whatever the invariance it teaches)."""
-    from scipy.stats import spearmanr
-
+    more credit the one-step estimate gives it, whatever the invariance it teaches; NaN for fewer than 3 ops)."""
     rows = []
     for group, by_name in norms.items():
         base, plain = scores[group][IDENTITY], by_name[IDENTITY]
         group_rows = [{"state": state, "group": names[group], "transform": name,
                        "effect": float((scores[group][name] - base).mean()), "ratio": float(np.mean(n / plain))}
                       for name, n in by_name.items() if name != IDENTITY]  # fmt: skip
-        rho = spearmanr([r["effect"] for r in group_rows], [r["ratio"] for r in group_rows]).statistic
+        rho = float("nan")
+        if len(group_rows) > 2:
+            rho = float(spearmanr([r["effect"] for r in group_rows], [r["ratio"] for r in group_rows]).statistic)
         for r in group_rows:
-            r["rho"] = float(rho) if len(group_rows) > 2 else float("nan")
+            r["rho"] = rho
         rows += sorted(group_rows, key=lambda r: -r["effect"])
     return rows
 
@@ -387,9 +388,9 @@ def format_ratio_table(rows: Sequence[dict], undoing: Sequence[str], markdown: b
     lines = []
     for (state, group), block in itertools.groupby(rows, key=lambda r: (r["state"], r["group"])):
         block = list(block)
-        head = (f"{state} {group}: Spearman(effect, gradient ratio) over {len(block)} ops = {block[0]['rho']:+.2f}")
+        head = f"{state} {group}: Spearman(effect, gradient ratio) over {len(block)} ops = {block[0]['rho']:+.2f}"
         if markdown:
-            lines += ["", f"{head}", "", "| rank | op | effect | gradient ratio |", "|---|---|---|---|"]
+            lines += ["", head, "", "| rank | op | effect | gradient ratio |", "|---|---|---|---|"]
             lines += [f"| {i} | `{r['transform']}`{' (undoes the shift)' if r['transform'] in undoing else ''} | "
                       f"{r['effect']:+.1f} | {r['ratio']:.2f} |" for i, r in enumerate(block, 1)]  # fmt: skip
         else:
