@@ -390,9 +390,10 @@ def test_tea_op_scores_alone_map_back_probabilities_or_logits(op_name):
     with torch.no_grad():
         by_logits = soft_dice_loss(torch.softmax(TEAInferer([op])(image[None], net), 1), label[None]).double()
         by_probs = soft_dice_loss(op.invert(torch.softmax(net(op.transform_image(image[None])), 1)), label[None])
-    scored = {score: TEAPolicyUpdater(policy, net, [], num_copies=1, op_score=score)._mapped_back_dice(image, label,
-                                                                                                     [op])
-              for score in ("alone", "alone-logits")}  # fmt: skip
+    scored = {
+        score: TEAPolicyUpdater(policy, net, [], num_copies=1, op_score=score)._mapped_back_dice(image, label, [op])
+        for score in ("alone", "alone-logits")
+    }
     torch.testing.assert_close(scored["alone-logits"][1:], by_logits, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(scored["alone"][1:], by_probs.double(), rtol=1e-4, atol=1e-6)
     assert abs(float(by_logits) - float(by_probs)) > 1e-3  # the two orders differ for this op
