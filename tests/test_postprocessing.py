@@ -119,3 +119,11 @@ def test_the_preflight_accepts_the_setting_and_needs_validation_cases(tmp_path: 
     with pytest.raises(PreflightError) as caught:  # without the setting, an empty validation split is allowed
         check_data({"training": [], "validation": []})
     assert "validation" not in str(caught.value)
+
+
+def test_chooses_on_validation_names_only_the_validation_setting() -> None:
+    from jcsaug.evaluation import chooses_on_validation
+
+    assert chooses_on_validation("validation") and chooses_on_validation(" Validation ")
+    for value in (False, True, "task", "[1]", [1, 2], None, "bogus", [0]):
+        assert not chooses_on_validation(value), value  # a malformed value: the settings check names it

@@ -39,7 +39,7 @@ from torch import nn
 
 from jcsaug.data.checks import pair_problems
 from jcsaug.engine.resume import RESUME_FILE, check_resume_matches
-from jcsaug.evaluation.postprocessing import POSTPROCESSING_NAME
+from jcsaug.evaluation.postprocessing import POSTPROCESSING_NAME, chooses_on_validation
 from jcsaug.utils import as_flag
 
 __all__ = [
@@ -414,7 +414,7 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
         from jcsaug.evaluation.metrics import component_classes
 
         try:  # 'validation': chosen after training among the foreground classes (check_data: the split has cases)
-            if not _chooses_on_validation(settings["keep_largest_component"]):
+            if not chooses_on_validation(settings["keep_largest_component"]):
                 component_classes(settings["keep_largest_component"], settings["num_classes"], task_classes=())
         except ValueError as err:
             problems.append(f"--{err}")
@@ -630,15 +630,6 @@ def _case_problems(
     return name, problems
 
 
-def _chooses_on_validation(keep_largest_component: Any) -> bool:
-    from jcsaug.evaluation.metrics import VALIDATION_COMPONENT_CLASSES, parse_component_classes
-
-    try:
-        return parse_component_classes(keep_largest_component) == VALIDATION_COMPONENT_CLASSES
-    except ValueError:  # a bad value: check_settings names it
-        return False
-
-
 @_reported
 def check_data(
     splits: Mapping[str, Sequence[Any]],
@@ -671,7 +662,7 @@ def check_data(
     for split, entries in splits.items():
         entries = list(entries or [])
         if not entries:
-            if split == "validation" and _chooses_on_validation(keep_largest_component):
+            if split == "validation" and chooses_on_validation(keep_largest_component):
                 problems.append(
                     "split 'validation' is empty: keep_largest_component 'validation' chooses the post-processed "
                     "classes on its cases (give the classes instead, e.g. [1], or true / false)"

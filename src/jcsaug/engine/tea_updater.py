@@ -54,10 +54,10 @@ def predict_by_shape(model: nn.Module, images: Sequence[torch.Tensor], logits: b
     for i, x in enumerate(images):
         by_shape.setdefault(tuple(x.shape), []).append(i)
     for idx in by_shape.values():
-        probs = main_output(model(torch.stack([images[i] for i in idx]))).float()
-        probs = probs if logits else torch.softmax(probs, dim=1)
+        pred = main_output(model(torch.stack([images[i] for i in idx]))).float()
+        pred = pred if logits else torch.softmax(pred, dim=1)
         for j, i in enumerate(idx):
-            out[i] = probs[j]
+            out[i] = pred[j]
     return out  # type: ignore[return-value]
 
 

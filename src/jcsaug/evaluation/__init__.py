@@ -12,11 +12,12 @@ from jcsaug.evaluation.metrics import (
 from jcsaug.evaluation.postprocessing import (
     POSTPROCESSING_NAME,
     choose_component_classes,
+    chooses_on_validation,
     read_component_classes,
     resolve_component_classes,
 )
 from jcsaug.evaluation.report import Report, ReportError, build_report, build_report_parser, run_report
-from jcsaug.evaluation.segmentation import case_dice, case_spacing, evaluate_cases, per_case_csv
+from jcsaug.evaluation.segmentation import case_dice, case_spacing, evaluate_cases, label_map_dice, per_case_csv
 
 __all__ = [
     "HIGHER_IS_BETTER",
@@ -30,8 +31,10 @@ __all__ = [
     "case_metrics",
     "case_spacing",
     "choose_component_classes",
+    "chooses_on_validation",
     "component_classes",
     "evaluate_cases",
+    "label_map_dice",
     "largest_connected_component",
     "parse_component_classes",
     "per_case_csv",

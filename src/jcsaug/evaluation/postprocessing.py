@@ -15,7 +15,6 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from monai.inferers import Inferer
 from tqdm.auto import tqdm
@@ -28,20 +27,28 @@ from jcsaug.evaluation.metrics import (
     nanmean,
     parse_component_classes,
 )
+from jcsaug.evaluation.segmentation import label_map_dice
 from jcsaug.utils import atomic_write_text
 
-__all__ = ["POSTPROCESSING_NAME", "choose_component_classes", "read_component_classes", "resolve_component_classes"]
+__all__ = [
+    "POSTPROCESSING_NAME",
+    "choose_component_classes",
+    "chooses_on_validation",
+    "read_component_classes",
+    "resolve_component_classes",
+]
 
 POSTPROCESSING_NAME = "postprocessing.json"
 """The file of a run's folder that records the classes chosen on its validation cases."""
 
 
-def _class_dice(pred: np.ndarray, truth: np.ndarray, c: int) -> float:
-    """Dice of class ``c`` of two label maps; 1 where the class is in neither (as the metrics score it). Written
-    here, three lines on boolean masks, as MONAI's ``compute_dice`` needs one-hot tensors of every class."""
-    p, t = pred == c, truth == c
-    total = int(p.sum()) + int(t.sum())
-    return 1.0 if total == 0 else 2.0 * int((p & t).sum()) / total
+def chooses_on_validation(value: ComponentClasses) -> bool:
+    """Whether a ``keep_largest_component`` setting is ``"validation"`` (its classes chosen after training); a
+    malformed value is not (the settings check names it)."""
+    try:
+        return parse_component_classes(value) == VALIDATION_COMPONENT_CLASSES
+    except ValueError:
+        return False
 
 
 def choose_component_classes(
@@ -90,13 +97,14 @@ def choose_component_classes(
         for entry in tqdm(cases, desc="choose post-processing", disable=not progress):
             data = load(entry)
             image = torch.as_tensor(data[image_key]).unsqueeze(0).to(device)
-            pred = inferer(image, network).argmax(1)[0].cpu().numpy()
-            truth = np.asarray(torch.as_tensor(data[label_key]).cpu())[0]
+            pred = inferer(image, network).argmax(1, keepdim=True).cpu()
+            truth = torch.as_tensor(data[label_key]).cpu()[None]
             # one pass for every class: each keeps its own largest component, independently of the others
-            kept = largest_connected_component(pred, num_classes, classes=classes).numpy()
+            kept = largest_connected_component(pred[0, 0], num_classes, classes=classes)[None, None]
+            plain_dice, kept_dice = (label_map_dice(p, truth, num_classes) for p in (pred, kept))
             for c in classes:
-                without[c].append(_class_dice(pred, truth, c))
-                with_lcc[c].append(_class_dice(kept, truth, c))
+                without[c].append(plain_dice[c - 1])
+                with_lcc[c].append(kept_dice[c - 1])
     chosen = tuple(c for c in classes if nanmean(with_lcc[c]) > nanmean(without[c]))
     if output_path is not None:
         record = {
@@ -151,6 +159,6 @@ def resolve_component_classes(
     the run's ``postprocessing.json`` that :func:`choose_component_classes` wrote after training; ``record=None``:
     no class (a process of a multi-GPU run that does not evaluate).
     """
-    if parse_component_classes(value) != VALIDATION_COMPONENT_CLASSES:
+    if not chooses_on_validation(value):
         return component_classes(value, num_classes, task_classes)
     return () if record is None else read_component_classes(record, num_classes)

@@ -46,7 +46,13 @@ def case_dice(pred_logits: torch.Tensor, label: torch.Tensor, num_classes: int) 
     A class absent from both label and prediction scores 1 (nothing to find, nothing found); absent
     from the label only, 0. MONAI's ``DiceMetric(ignore_empty=False)`` implements exactly this.
     """
-    pred = one_hot(pred_logits.argmax(1, keepdim=True), num_classes)
+    return label_map_dice(pred_logits.argmax(1, keepdim=True), label, num_classes)
+
+
+def label_map_dice(pred_labels: torch.Tensor, label: torch.Tensor, num_classes: int) -> list[float]:
+    """Dice per foreground class of a predicted label map against the label (both ``[1, 1, ...]``), scored as
+    :func:`case_dice` scores the argmax of logits."""
+    pred = one_hot(pred_labels.long(), num_classes)
     truth = one_hot(label.long(), num_classes)
     metric = DiceMetric(include_background=False, reduction="none", ignore_empty=False)
     return [float(v) for v in metric(pred, truth)[0]]
