@@ -221,7 +221,7 @@ def test_same_seed_same_policy_trajectory():
     np.testing.assert_array_equal(first.generator.get_state().numpy(), second.generator.get_state().numpy())
 
 
-@pytest.mark.parametrize("hypergradient", ["finite-difference", "jvp"])
+@pytest.mark.parametrize("hypergradient", ["finite-difference", "jvp", "equal-norm"])
 def test_tra_update_keeps_training_a_network_with_shared_modules(hypergradient):
     """MONAI's DynUNet reaches its encoder blocks by two module paths; torch.func.functional_call alone leaves
     detached tensors in one of them, after which SGD no longer trains the network (regression)."""

@@ -10,6 +10,7 @@ from ignite.engine import Engine
 from torch import nn
 
 from jcsaug.engine import TRAPolicyUpdater, finite_difference_hypergradient, get_loss, jvp_hypergradient
+from jcsaug.engine.hypergradient import equal_norm_hypergradient
 from jcsaug.engine.lookahead import hessian_vector_products
 from jcsaug.policy import make_tra_policy
 
@@ -65,7 +66,7 @@ def test_finite_difference_in_training_mode_pairs_the_dropout_masks_of_its_two_p
     assert not torch.allclose(fd, other, rtol=1e-2)  # the masks do matter: the agreement above is no accident
 
 
-@pytest.mark.parametrize("estimator", [finite_difference_hypergradient, jvp_hypergradient])
+@pytest.mark.parametrize("estimator", [finite_difference_hypergradient, jvp_hypergradient, equal_norm_hypergradient])
 def test_hypergradients_in_training_mode_leave_batchnorm_buffers_as_they_were(estimator):
     """BatchNorm in training mode updates its running statistics at every pass: the estimators run on copies (the
     JVP crashed on them, ``torch.func`` refusing to mutate the network's own), and agree with each other."""
@@ -77,7 +78,7 @@ def test_hypergradients_in_training_mode_leave_batchnorm_buffers_as_they_were(es
         assert torch.equal(value, before[name]), name
 
 
-@pytest.mark.parametrize("hypergradient", ["finite-difference", "jvp"])
+@pytest.mark.parametrize("hypergradient", ["finite-difference", "jvp", "equal-norm"])
 @pytest.mark.parametrize("lookahead", [1, 4])
 def test_train_meta_mode_update_leaves_the_trainers_batchnorm_statistics(hypergradient, lookahead):
     """A ``meta_mode="train"`` update (validation pass, look-ahead, theta ± eps v) leaves the running statistics the

@@ -85,6 +85,26 @@ def test_hypergradient_of_a_linear_model_in_closed_form(estimator, pass_norm):
     torch.testing.assert_close(net.weight.detach(), _t([[3.0, 3.0]]))  # the network is left as it was
 
 
+def test_equal_norm_hypergradient_keeps_each_gradients_direction_at_the_batchs_mean_length():
+    """``g_i = -alpha/n * grad l_i . v * mean_j |grad l_j| / |grad l_i|`` with ``grad l_i = 2 r_i x_i``:
+    r = (1, -3, 1), |x_i| = (1, 1, sqrt 5), so |grad l_i| = 2 (1, 3, sqrt 5), mean m = 2 (4 + sqrt 5) / 3, and
+    grad l_i . v = 2 r_i (x_i . v) = (1, -6, 4): g = -0.1 m (1/2, -1, 2/sqrt 5). The third sample, with the longest
+    gradient, no longer outscores the second (the plain estimate: -0.1 (1, -6, 4)). A sample with a zero gradient
+    scores 0."""
+    from jcsaug.engine.hypergradient import equal_norm_hypergradient, get_hypergradient
+
+    assert get_hypergradient("equal-norm") is equal_norm_hypergradient
+    net = linear([3.0, 3.0])
+    g = equal_norm_hypergradient(net, THETA, V, X, Y, squared_error, 0.3)
+    m = 2 * (4 + math.sqrt(5)) / 3
+    assert g.dtype == F64
+    torch.testing.assert_close(g, -0.1 * m * _t([0.5, -1.0, 2 / math.sqrt(5)]), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(net.weight.detach(), _t([[3.0, 3.0]]))  # the network is left as it was
+    fitted = _t([[1.0], [1.0], [-1.0]])  # y_0 = 1: sample 0 is fitted, r_0 = theta . x_0 - y_0 = 0
+    zero = equal_norm_hypergradient(net, THETA, V, X, fitted, squared_error, 0.3)
+    assert zero[0] == 0 and torch.isfinite(zero).all() and (zero[1:] != 0).all()
+
+
 def test_finite_difference_step_is_r_over_the_norm_of_v():
     """On a cubic loss the central difference carries its known error: ``(l(+eps) - l(-eps)) / 2 eps =
     3 r_i^2 (x_i . v) + (x_i . v)^3 eps^2``. With r = 0.5 and ||v||^2 = 1.25, eps^2 = 0.2:

@@ -5,6 +5,8 @@ With the trainer's step ``theta -> theta*`` done, and ``v = grad L_val(theta*)``
 * :func:`finite_difference_hypergradient` gives ``dL_val/dw_i`` from per-sample training losses at
   ``theta ± eps v`` (DARTS, two forward passes);
 * :func:`jvp_hypergradient` gives the same quantity exactly with one forward-mode ``torch.func.jvp``;
+* :func:`equal_norm_hypergradient` (beyond the paper) scores each sample by the direction of its training gradient
+  only, every gradient rescaled to the batch's mean length (one backward pass per sample);
 * :func:`normalise_hypergradient` centres per class group and divides by the sampling frequency of
   each op per series, giving one coefficient per (sample, series).
 
@@ -151,10 +153,65 @@ def jvp_hypergradient(
     return -lr * tangent.double() / image.shape[0]
 
 
+def per_sample_gradient_stats(
+    model: nn.Module,
+    theta: Mapping[str, torch.Tensor],
+    v: Mapping[str, torch.Tensor],
+    image: torch.Tensor,
+    label: torch.Tensor,
+    loss_fn: PerSampleLoss,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad l_i(theta) . v, |grad l_i(theta)|)`` for every sample ``i`` of the batch (two ``[n]`` float64).
+
+    One forward and backward pass per sample: a JVP or a finite difference gives a gradient's projections, not its
+    length. Each sample is passed alone, so in training mode a BatchNorm network normalises it by its own
+    statistics (in eval mode, the default of the updaters, the passes are exactly the batch's), with copies of the
+    buffers as the other estimators.
+    """
+    names = list(theta)
+    dots, norms = [], []
+    with torch.enable_grad():
+        for i in range(image.shape[0]):
+            point = {k: theta[k].detach().requires_grad_() for k in names}
+            loss = losses_at(model, point, pass_buffers(model), image[i : i + 1], label[i : i + 1], loss_fn).sum()
+            grads = torch.autograd.grad(loss, [point[k] for k in names], allow_unused=True)
+            grads = [torch.zeros_like(point[k]) if g is None else g for k, g in zip(names, grads)]
+            dots.append(sum((g.double() * v[k].double()).sum() for k, g in zip(names, grads)))
+            norms.append(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+    return torch.stack(dots), torch.stack(norms)
+
+
+def equal_norm_hypergradient(
+    model: nn.Module,
+    theta: Mapping[str, torch.Tensor],
+    v: Mapping[str, torch.Tensor],
+    image: torch.Tensor,
+    label: torch.Tensor,
+    loss_fn: PerSampleLoss,
+    lr: float,
+    v_norm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``g_i = -lr/n * grad l_i . v * mean_j |grad l_j| / |grad l_i|``: the exact estimate (as
+    :func:`jvp_hypergradient`) with every sample's training gradient rescaled to the batch's mean length.
+    Returns ``[n]`` (float64).
+
+    Beyond the paper: the one-step estimate grows with the length of a sample's gradient, so it credits an op for
+    making harder patches (larger losses, larger gradients) whatever they teach (``bench_op_effects.py
+    --gradient-ratio``: on a zoom shift the effects' rank correlation with the gradient ratio is +0.8). Here only
+    the *direction* of each sample's gradient counts (its cosine with ``v``, on the batch's common scale). A sample
+    whose gradient is zero scores 0. Costs one forward and backward pass per sample
+    (:func:`per_sample_gradient_stats`) instead of two forward passes of the batch.
+    """
+    dots, norms = per_sample_gradient_stats(model, theta, v, image, label, loss_fn)
+    scale = torch.where(norms > 0, norms.mean() / norms.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+    return -lr * dots * scale / image.shape[0]
+
+
 #: name -> estimator ``(model, theta, v, image, label, loss_fn, lr, v_norm=None) -> [n]`` of ``dL_val/dw_i``
 HYPERGRADIENTS: Registry = Registry("hypergradient estimator")
 HYPERGRADIENTS.register("finite-difference", finite_difference_hypergradient)
 HYPERGRADIENTS.register("jvp", jvp_hypergradient)
+HYPERGRADIENTS.register("equal-norm", equal_norm_hypergradient)
 
 
 #: ``register_hypergradient(name, estimator)`` (or ``@register_hypergradient(name)``), ``get_hypergradient(name)``,
