@@ -62,8 +62,9 @@ default for the verdicts) and ``cpu`` (this process's CPU time, summed over its 
    batches (training batches carry ``--cf-max`` counterfactual copies per patch, as ``TRACascaded`` makes them),
    its iterations interleaved round by round with a ``plain`` engine's; printed: ms per update (median iteration
    time minus plain's) and the ratio to the paper's TRA update (``gumbel``, one validation batch). Options: the
-   paired TRA estimator with K = 1, 2, 4 copies, a validation pool of 6 batches, the batch soft Dice L_val, and
-   the TEA estimators (``gumbel``, ``paired``, ``paired`` on 4 patches).
+   paired TRA estimator with K = 1, 2, 4 copies, a validation pool of 6 batches, the batch soft Dice L_val, the
+   look-ahead, the ``equal-norm`` hypergradient (one backward pass per sample), and the TEA estimators
+   (``gumbel``, ``paired``, ``paired`` on 4 patches).
 
 The targets live here, never in timed tests. Compare numbers only from the same machine, same ``--threads``.
 """
@@ -371,6 +372,8 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TRA paired K=2, 6 val batches": (TRAPolicyUpdater, {"estimator": "paired", "val_batches": 6}, 2),
     "TRA paired K=2, batch-dice L_val": (TRAPolicyUpdater, {"estimator": "paired", "val_loss": "batch-dice"}, 2),
     "TRA paired K=2, look-ahead 16": (TRAPolicyUpdater, {"estimator": "paired", "lookahead": 16}, 2),
+    "TRA paired K=2, equal-norm gradients": (TRAPolicyUpdater, {"estimator": "paired",
+                                                                 "hypergradient": "equal-norm"}, 2),
     "TEA gumbel (paper)": (TEAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TEA paired": (TEAPolicyUpdater, {"estimator": "paired"}, 0),
     "TEA paired, 4 patches": (TEAPolicyUpdater, {"estimator": "paired", "patches": 4}, 0),

@@ -1027,3 +1027,61 @@ def test_per_sample_validation_loss_is_the_mean_over_samples_whatever_the_chunks
     two = [(image[None], label[None]), (torch.cat([image[None], image[None] * 0.5]), torch.cat([label[None]] * 2))]
     expected = torch.cat([per_sample_dice(net(x), y) for x, y in two]).mean()
     torch.testing.assert_close(updater._validation_loss(two), expected)
+
+
+def test_without_component_removes_the_projection_on_g_and_leaves_v_for_a_zero_g():
+    from jcsaug.engine.tra_updater import without_component
+
+    v = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([[3.0]])}
+    g = {"a": torch.tensor([1.0, 0.0]), "b": torch.tensor([[1.0]])}  # v . g = 4, |g|^2 = 2: v - 2 g
+    out = without_component(v, g)
+    torch.testing.assert_close(out["a"], torch.tensor([-1.0, 2.0]))
+    torch.testing.assert_close(out["b"], torch.tensor([[1.0]]))
+    zero = without_component(v, {k: torch.zeros_like(t) for k, t in g.items()})
+    assert all(torch.equal(zero[k], v[k]) for k in v)
+
+
+@pytest.mark.parametrize("direction", ["validation", "beyond-training"])
+def test_tra_direction_scores_against_v_or_v_beyond_the_training_batchs_gradient(monkeypatch, direction):
+    """``direction="beyond-training"``: the hypergradient gets ``v`` less its component along the gradient of the
+    training batch's mean loss at the network's present parameters (orthogonal to it, the rest of ``v`` kept);
+    ``"validation"`` gets ``v`` itself. An unknown direction is refused, naming the valid ones."""
+    from jcsaug.engine.hypergradient import flat_norm
+    from jcsaug.registry import UnknownNameError
+
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(2, 1, 4, 4, 4)
+    y = (x > 0).float()
+    val = [{"image": torch.randn(2, 1, 4, 4, 4), "label": (torch.randn(2, 1, 4, 4, 4) > 1).float()}]
+    updater = TRAPolicyUpdater(CategoricalPolicy([3, 2], num_groups=2), net, val, opt, estimator="paired",
+                               direction=direction)  # fmt: skip
+    v = updater._validation_gradient()
+    params = dict(net.named_parameters())
+    g_train = dict(zip(params, torch.autograd.grad(updater.train_loss(net(x), y).mean(), list(params.values()))))
+    seen: dict = {}
+
+    def hypergradient(model, theta, direction_v, image, label, loss, alpha, v_norm=None):
+        seen["v"] = {k: t.detach().clone() for k, t in direction_v.items()}
+        return torch.ones(image.shape[0], dtype=F64)
+
+    monkeypatch.setattr(updater, "hypergradient", hypergradient)
+    monkeypatch.setattr(updater, "_paired_step", lambda *a: None)
+    updater._theta, updater._alpha = {n: p.detach().clone() for n, p in net.named_parameters()}, 0.05
+    engine = Engine(lambda e, b: None)
+    engine.state.batch = paired_batch(x, y)
+    updater.update(engine)
+    dot = sum(float((seen["v"][k].double() * g_train[k].double()).sum()) for k in v)
+    if direction == "validation":
+        assert all(torch.equal(seen["v"][k], v[k]) for k in v)
+    else:
+        assert abs(dot) < 1e-6 * float(flat_norm(v) * flat_norm(g_train))
+        removed = {k: v[k] - seen["v"][k] for k in v}  # a multiple of g_train
+        c = sum(float((removed[k].double() * g_train[k].double()).sum()) for k in v) / float(flat_norm(g_train)) ** 2
+        for k in v:
+            torch.testing.assert_close(removed[k], c * g_train[k], rtol=1e-4, atol=1e-7)
+        assert c != 0
+    assert updater._settings["direction"] == direction
+    with pytest.raises(UnknownNameError, match="beyond-training"):
+        TRAPolicyUpdater(CategoricalPolicy([3, 2], num_groups=2), net, val, opt, direction="orthogonal")

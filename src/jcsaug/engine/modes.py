@@ -282,12 +282,14 @@ class AugmentationSetup:
         tra_lookahead: float = 1,
         tea_val_loader: Iterable | None = None,
         tea_poly_power: float = 0.9,
+        tra_direction: str = "validation",
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
 
         ``tra_logit_budget`` / ``tea_logit_budget`` (when not ``None``) replace ``tra_lr`` / ``tea_lr`` by a
         learning rate derived from the run's length (see :class:`~jcsaug.engine.base.PolicyUpdater`);
-        ``tra_lookahead`` is the TRA updater's ``lookahead`` horizon (1: one step). ``tea_val_loader``: the
+        ``tra_lookahead`` is the TRA updater's ``lookahead`` horizon (1: one step), ``tra_direction`` its
+        ``direction`` (what the samples' gradients are scored against). ``tea_val_loader``: the
         validation patches the TEA updater scores its ops on (default ``val_loader``); patches larger than the
         training patches (whole volumes where they fit) score the ops closer to how they act at test time, on the
         whole image: an intensity op rescales by the image's range, a spatial op has fewer patch borders.
@@ -300,7 +302,7 @@ class AugmentationSetup:
                 train_loss=train_loss, val_loss=val_loss, hypergradient=hypergradient,
                 tea_policy=self.tea_policy if self.learn_tea else None, seed=seed, estimator=self.tra_estimator,
                 val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
-                lookahead=tra_lookahead,
+                lookahead=tra_lookahead, direction=tra_direction,
             )  # fmt: skip
         if self.learn_tea:
             tea = TEAPolicyUpdater(

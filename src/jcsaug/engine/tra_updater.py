@@ -27,7 +27,8 @@ from jcsaug.policy.cascade import COUNTERFACTUAL_SUFFIX, DEFAULT_CF_OP_KEY
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.registry import Registry
 
-__all__ = ["HYPERGRADIENTS", "TRA_ESTIMATORS", "TRAPolicyUpdater", "tea_transform_batch"]
+__all__ = ["HYPERGRADIENTS", "TRA_DIRECTIONS", "TRA_ESTIMATORS", "TRAPolicyUpdater", "tea_transform_batch",
+           "without_component"]
 
 #: how the per-sample hypergradients become a policy gradient (see :class:`TRAPolicyUpdater`)
 TRA_ESTIMATORS: Registry[str] = Registry(
@@ -37,6 +38,24 @@ TRA_ESTIMATORS: Registry[str] = Registry(
         "paired": "each drawn op scored against its series' identity on the same patch (counterfactual copies)",
     },
 )
+
+#: which direction the training samples' gradients are scored against (see :class:`TRAPolicyUpdater`)
+TRA_DIRECTIONS: Registry[str] = Registry(
+    "TRA scoring direction",
+    {
+        "validation": "v, the gradient of the validation loss (after the look-ahead, if any): the paper's",
+        "beyond-training": "v without its component along the training batch's own gradient (beyond the paper)",
+    },
+)
+
+
+def without_component(v: Mapping[str, torch.Tensor], g: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``v - (v . g / |g|^2) g``: ``v`` with its component along ``g`` removed (``v`` itself when ``g`` is 0)."""
+    g_norm2 = flat_norm(g) ** 2
+    if not bool(torch.isfinite(g_norm2)) or float(g_norm2) == 0.0:
+        return dict(v)
+    c = float(sum((v[k].double() * g[k].double()).sum() for k in v) / g_norm2)
+    return {k: v[k] - c * g[k].to(v[k].dtype) for k in v}
 
 
 def tea_transform_batch(
@@ -99,7 +118,9 @@ class TRAPolicyUpdater(PolicyUpdater):
         val_loss: L_val by name (``ce``, ``dice`` — the mean of per-sample soft Dice losses —, ``ce+dice``,
             ``batch-dice`` — one soft Dice over the whole validation batch, as the reference code) or callable.
         hypergradient: estimator name (:func:`~jcsaug.engine.hypergradient.list_hypergradients`):
-            ``"finite-difference"`` (DARTS, the paper's) or ``"jvp"`` (exact, forward-mode).
+            ``"finite-difference"`` (DARTS, the paper's), ``"jvp"`` (exact, forward-mode) or ``"equal-norm"``
+            (beyond the paper, a research setting: each sample's gradient rescaled to the batch's mean length, so
+            only its direction counts; one backward pass per sample).
         estimator: ``"gumbel"`` (the paper's) or ``"paired"`` (needs ``TRACascaded(counterfactuals=K)``).
         val_batches: validation batches per update; ``v`` is the gradient of their mean loss (a larger
             validation sample, less noise in ``v``).
@@ -124,6 +145,12 @@ class TRAPolicyUpdater(PolicyUpdater):
             the training batch per update), so ops are scored by their effect on the validation loss over several
             steps, not just the next one. 1 (default) keeps the one-step estimate.
         lookahead_step: the Neumann step ``alpha`` times the largest curvature of the training loss (in (0, 2)).
+        direction: what the samples' training gradients are scored against (:data:`TRA_DIRECTIONS`):
+            ``"validation"`` (default, the paper's) ``v`` itself (or the look-ahead's ``u``); ``"beyond-training"``
+            (beyond the paper) ``v`` without its component along the gradient of the training batch's mean loss
+            (one more forward-backward pass of the batch per update). Most of ``v`` is the progress any step on
+            source patches makes (on the synthetic zoom shift ``v`` and the plain source gradient have a cosine
+            of ~0.7): an op is credited for what it adds beyond it, not for a larger step along it.
 
     Example: attached to your own Ignite loop (batches from a pipeline with ``ClassGroupd`` and ``TRACascaded``,
     which record ``class_group`` and ``tra_ops``)::
@@ -182,6 +209,7 @@ class TRAPolicyUpdater(PolicyUpdater):
         effect_smoothing: float = 0.1,
         lookahead: float = 1,
         lookahead_step: float = 0.5,
+        direction: str = "validation",
     ) -> None:
         super().__init__(
             policy, model, lr, update_every, poly_power, seed, name="TRA", logit_budget=logit_budget,
@@ -200,13 +228,14 @@ class TRAPolicyUpdater(PolicyUpdater):
         if float(lookahead) < 1:
             raise ValueError(f"lookahead must be >= 1 update, got {lookahead}")
         self.lookahead = NeumannLookAhead(lookahead, lookahead_step) if float(lookahead) > 1 else None
+        self.direction = TRA_DIRECTIONS.key(direction)  # an unknown name: an error listing the valid ones
         self.cf_op_key = cf_op_key
         self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
         if meta_mode not in ("eval", "train"):
             raise ValueError(f"meta_mode must be 'eval' or 'train', got {meta_mode!r}")
         self._settings.update(
             estimator=estimator, hypergradient=str(hypergradient), val_batches=self.val_batches,
-            val_average=self.val_average, lookahead=float(lookahead), meta_mode=meta_mode,
+            val_average=self.val_average, lookahead=float(lookahead), meta_mode=meta_mode, direction=self.direction,
         )  # fmt: skip
         self.val_stream = ValidationStream(val_loader)
         self.model_optimizer = optimizer
@@ -304,6 +333,15 @@ class TRAPolicyUpdater(PolicyUpdater):
             self.lookahead.load_state_dict({})  # start the series again
             raise SkipUpdate(str(err)) from err
 
+    def _training_gradient(self, image: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The gradient of the training batch's mean loss at the network's present parameters (those of ``v``)."""
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        loss = self.train_loss(main_output(self.model(image)), label).mean()
+        if not torch.isfinite(loss):
+            raise SkipUpdate("non-finite training loss")
+        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        return {n: g if g is not None else torch.zeros_like(p) for (n, p), g in zip(params.items(), grads)}
+
     def _counterfactuals(self, batch: Mapping, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(images [n*K, ...], labels [n*K, ...], cf_ops [n, K, 2])`` made by ``TRACascaded(counterfactuals=K)``."""
         keys = [self.cf_op_key, self.image_key + COUNTERFACTUAL_SUFFIX, self.label_key + COUNTERFACTUAL_SUFFIX]
@@ -345,6 +383,8 @@ class TRAPolicyUpdater(PolicyUpdater):
             v = self._validation_gradient()
             if self.lookahead is not None:
                 v = self._look_ahead(v, train_image, train_label)
+            if self.direction == "beyond-training":
+                v = without_component(v, self._training_gradient(train_image, train_label))
             norm = flat_norm(v)
             if not torch.isfinite(norm) or norm == 0:
                 raise SkipUpdate(f"validation gradient norm is {float(norm)}")
