@@ -38,6 +38,10 @@ counterfactual copies are (``replace_series_op``, then ``apply_tra_batch``, imag
 checkpoint's learned policy when it holds one, else the config's ``tra_preset``; the tested series kept at the
 identity), the same draw under every T, as the learner's copies keep the other series as drawn.
 
+``--direction beyond-training`` scores against each ``v`` without its component along the gradient of the mean
+training loss of all the plain source patches (the TRA updater's ``direction="beyond-training"``, which takes the
+gradient of its training batch): the cosine of ``v`` with that gradient is printed per state.
+
 ``--ops all`` measures every op of the catalogue. ``--gradient-ratio`` adds, per class group and single op, the
 mean over patches of ``|grad l_train(T(x))| / |grad l_train(x)|`` (how much larger the op makes a patch's training
 gradient; one backward pass per patch and op) and Spearman's rank correlation of the effects with it: near +1, the
@@ -68,6 +72,7 @@ from scipy.stats import spearmanr
 
 from jcsaug.engine.hypergradient import flat_norm, jvp_hypergradient
 from jcsaug.engine.losses import chunked_loss, get_loss
+from jcsaug.engine.tra_updater import without_component
 from jcsaug.ops.tra import (
     TRA_SERIES,
     TRA_SERIES_NAMES,
@@ -290,6 +295,21 @@ def validation_directions(
     return out
 
 
+def dot(a: Direction, b: Direction) -> torch.Tensor:
+    """``a . b`` of two parameter-shaped vectors (float64)."""
+    return sum((a[k].double() * b[k].double()).sum() for k in a)
+
+
+def source_gradient(model: torch.nn.Module, patches: Patches, train_loss: Callable) -> Direction:
+    """The gradient of the mean training loss over every group's plain source patches."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    device = next(model.parameters()).device
+    images = torch.cat([x for x, _ in patches.values()]).to(device)
+    labels = torch.cat([y for _, y in patches.values()]).to(device)
+    grads = torch.autograd.grad(train_loss(model(images), labels).mean(), list(params.values()))
+    return dict(zip(params, grads))
+
+
 def directional_scores(
     model: torch.nn.Module,
     directions: Sequence[Direction],
@@ -464,6 +484,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="TRA ops or 'all' (default: the shift's undoing ops + rotate±[20,30))")  # fmt: skip
     parser.add_argument("--gradient-ratio", action="store_true",
                         help="also each op's training-gradient ratio, correlated with the effect")  # fmt: skip
+    parser.add_argument("--direction", choices=["validation", "beyond-training"], default="validation",
+                        help="score against v, or v less its component along the plain patches' gradient")  # fmt: skip
     parser.add_argument("--patches-per-group", type=int, default=48)
     parser.add_argument("--val-directions", type=int, default=2, help="validation directions v (averaged over)")
     parser.add_argument("--context", choices=["none", "drawn"], default="none",
@@ -488,6 +510,12 @@ def measure_state(
     batches = direction_batches(parser, val, args.val_directions, args.seed + 1)
     val_loss = chunked_loss(parser["val_loss"])  # the TRA updater's L_val
     directions = validation_directions(model, batches, val_loss)
+    cosines = ""
+    if args.direction == "beyond-training":
+        source = source_gradient(model, patches, get_loss(parser["train_loss"]))
+        cosines = ", cos(v, source gradient) = " + ", ".join(
+            f"{float(dot(v, source) / (flat_norm(v) * flat_norm(source))):+.3f}" for v in directions)
+        directions = [without_component(v, source) for v in directions]
     with torch.no_grad():
         loss = np.mean([float(val_loss([(model(x.to(device)), y.to(device))])) for b in batches for x, y in b])
     contexts = None
@@ -500,7 +528,7 @@ def measure_state(
                               grad_norms)  # fmt: skip
     name = state_name(checkpoint)
     norms = ", ".join(f"{float(flat_norm(v)):.3f}" for v in directions)
-    line = (f"{name}: validation {parser['val_loss']} loss {loss:.3f}, ||v|| = {norms}, "
+    line = (f"{name}: validation {parser['val_loss']} loss {loss:.3f}, ||v|| = {norms}{cosines}, "
             f"{time.perf_counter() - start:.0f} s")  # fmt: skip
     groups = group_names(args.dataset_dir)
     ratios = gradient_ratio_rows(scores, grad_norms, name, groups) if grad_norms is not None else []

@@ -63,7 +63,8 @@ default for the verdicts) and ``cpu`` (this process's CPU time, summed over its 
    its iterations interleaved round by round with a ``plain`` engine's; printed: ms per update (median iteration
    time minus plain's) and the ratio to the paper's TRA update (``gumbel``, one validation batch). Options: the
    paired TRA estimator with K = 1, 2, 4 copies, a validation pool of 6 batches, the batch soft Dice L_val, the
-   look-ahead, the ``equal-norm`` hypergradient (one backward pass per sample), and the TEA estimators
+   look-ahead, the ``equal-norm`` hypergradient (one backward pass per sample), the ``beyond-training`` direction
+   (one more forward-backward pass of the training batch), and the TEA estimators
    (``gumbel``, ``paired``, ``paired`` on 4 patches).
 
 The targets live here, never in timed tests. Compare numbers only from the same machine, same ``--threads``.
@@ -374,6 +375,7 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TRA paired K=2, look-ahead 16": (TRAPolicyUpdater, {"estimator": "paired", "lookahead": 16}, 2),
     "TRA paired K=2, equal-norm gradients": (TRAPolicyUpdater, {"estimator": "paired",
                                                                  "hypergradient": "equal-norm"}, 2),
+    "TRA paired K=2, beyond-training": (TRAPolicyUpdater, {"estimator": "paired", "direction": "beyond-training"}, 2),
     "TEA gumbel (paper)": (TEAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TEA paired": (TEAPolicyUpdater, {"estimator": "paired"}, 0),
     "TEA paired, 4 patches": (TEAPolicyUpdater, {"estimator": "paired", "patches": 4}, 0),

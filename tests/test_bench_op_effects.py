@@ -126,3 +126,35 @@ def test_all_ops_with_the_gradient_ratio_end_to_end(bench, setup, tmp_path, caps
     assert len(ratios) == 2 * 47 and all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in ratios)
     assert "Spearman(effect, gradient ratio) over 47 ops" in capsys.readouterr().out
     assert out.read_text().count("(undoes the shift)") == 2 * 3  # the default shift's three ops, in both groups
+
+
+def test_beyond_training_directions_are_orthogonal_to_the_source_gradient(bench, setup, capsys):
+    """``--direction beyond-training``: the directions handed to the scores are orthogonal to the plain patches'
+    training gradient (one per group's patches together), and the cosine with it is printed per state."""
+    torch.set_num_threads(1)
+    data, checkpoint, parser = setup
+    args = bench.parse_args(["--dataset-dir", str(data), "--checkpoint", str(checkpoint), "--patch-size",
+                             *map(str, PATCH), "--patches-per-group", "2", "--val-directions", "1",
+                             "--ops", "mirror_sagittal/flip", "--direction", "beyond-training"])  # fmt: skip
+    train = bench.load_split(parser, data, "training")
+    patches = bench.sample_source_patches(train, bench.make_crop(parser, 0), parser.get_parsed_content(
+        "class_group", lazy=False), 2, 0)  # fmt: skip
+    val = bench.load_split(parser, data, "validation")
+    plan = bench.plan_transforms(args.ops, [])
+    seen = []
+    original = bench.directional_scores
+
+    def spy(model, directions, *rest):
+        seen.append((model, directions))
+        return original(model, directions, *rest)
+
+    bench.directional_scores = spy
+    try:
+        _, line, _ = bench.measure_state(args, parser, checkpoint, patches, val, plan)
+    finally:
+        bench.directional_scores = original
+    model, directions = seen[0]
+    source = bench.source_gradient(model, patches, bench.get_loss(parser["train_loss"]))
+    for v in directions:
+        assert abs(float(bench.dot(v, source))) < 1e-5 * float(bench.flat_norm(v) * bench.flat_norm(source))
+    assert "cos(v, source gradient) = " in line
