@@ -54,7 +54,7 @@ def test_bad_settings_are_listed_together_with_the_valid_values():
         "--resume 'maybe': must be true or false",
         "--patch_size [32, 0, 32]: must be a list of positive integers",
         "--augment_on 'gpu': must be one of auto, worker, device",
-        "--hypergradient 'exact': must be one of finite-difference, jvp",
+        "--hypergradient 'exact': must be one of finite-difference, jvp, equal-norm",
     ):
         assert expected in message, expected
     assert "tea_mode" not in message and "other" not in message
@@ -96,6 +96,7 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tea_logit_budget", "null", _BUDGET),  # fire reads the word null as a string (None is None)
         ("tra_estimator", "gumble", "must be one of gumbel, paired"),
         ("tea_estimator", "pair", "must be one of gumbel, paired"),
+        ("tra_direction", "orthogonal", "must be one of validation, beyond-training"),
         ("train_loss", "focal", "must be one of ce, ce+dice, dice"),
         ("val_loss", "focal", "must be one of batch-dice, ce, ce+dice, dice"),
         ("tea_patch_size", [48, 0, 48], "must be a list of positive integers, one per spatial axis, e.g. [32, 32, 32], "
