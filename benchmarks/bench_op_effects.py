@@ -70,7 +70,7 @@ from monai.bundle import ConfigParser
 from monai.data import load_decathlon_datalist
 from scipy.stats import spearmanr
 
-from jcsaug.engine.hypergradient import flat_norm, jvp_hypergradient
+from jcsaug.engine.hypergradient import flat_dot, flat_norm, jvp_hypergradient, per_sample_gradient_stats
 from jcsaug.engine.losses import chunked_loss, get_loss
 from jcsaug.engine.tra_updater import without_component
 from jcsaug.ops.tra import (
@@ -295,11 +295,6 @@ def validation_directions(
     return out
 
 
-def dot(a: Direction, b: Direction) -> torch.Tensor:
-    """``a . b`` of two parameter-shaped vectors (float64)."""
-    return sum((a[k].double() * b[k].double()).sum() for k in a)
-
-
 def source_gradient(model: torch.nn.Module, patches: Patches, train_loss: Callable) -> Direction:
     """The gradient of the mean training loss over every group's plain source patches."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -344,13 +339,11 @@ def directional_scores(
 def gradient_norms(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
                    train_loss: Callable) -> np.ndarray:  # fmt: skip
     """``[n]``: the norm of each patch's own training-loss gradient ``|grad l_train(x_i)|`` (one backward pass per
-    patch: a JVP gives a gradient's projections, not its length)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    norms = []
-    for i in range(len(images)):
-        grads = torch.autograd.grad(train_loss(model(images[i : i + 1]), labels[i : i + 1]).sum(), params)
-        norms.append(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads))))
-    return np.asarray(norms)
+    patch, :func:`~jcsaug.engine.hypergradient.per_sample_gradient_stats`: a JVP gives a gradient's projections,
+    not its length)."""
+    theta = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    zeros = {n: torch.zeros_like(p) for n, p in theta.items()}
+    return per_sample_gradient_stats(model, theta, zeros, images, labels, train_loss)[1].cpu().numpy()
 
 
 def score_transforms(
@@ -514,7 +507,7 @@ def measure_state(
     if args.direction == "beyond-training":
         source = source_gradient(model, patches, get_loss(parser["train_loss"]))
         cosines = ", cos(v, source gradient) = " + ", ".join(
-            f"{float(dot(v, source) / (flat_norm(v) * flat_norm(source))):+.3f}" for v in directions)
+            f"{float(flat_dot(v, source) / (flat_norm(v) * flat_norm(source))):+.3f}" for v in directions)
         directions = [without_component(v, source) for v in directions]
     with torch.no_grad():
         loss = np.mean([float(val_loss([(model(x.to(device)), y.to(device))])) for b in batches for x, y in b])

@@ -156,5 +156,5 @@ def test_beyond_training_directions_are_orthogonal_to_the_source_gradient(bench,
     model, directions = seen[0]
     source = bench.source_gradient(model, patches, bench.get_loss(parser["train_loss"]))
     for v in directions:
-        assert abs(float(bench.dot(v, source))) < 1e-5 * float(bench.flat_norm(v) * bench.flat_norm(source))
+        assert abs(float(bench.flat_dot(v, source))) < 1e-5 * float(bench.flat_norm(v) * bench.flat_norm(source))
     assert "cos(v, source gradient) = " in line

@@ -36,6 +36,11 @@ def flat_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values()))
 
 
+def flat_dot(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``a . b`` of two sets of tensors (the same keys and shapes) taken as vectors (float64)."""
+    return sum((a[k].double() * b[k].double()).sum() for k in a)
+
+
 def call_with(model: nn.Module, tensors: Mapping[str, torch.Tensor], *args: torch.Tensor):
     """``torch.func.functional_call(model, tensors, args)``, then the model's own parameters and buffers put back.
 
@@ -176,8 +181,9 @@ def per_sample_gradient_stats(
             loss = losses_at(model, point, pass_buffers(model), image[i : i + 1], label[i : i + 1], loss_fn).sum()
             grads = torch.autograd.grad(loss, [point[k] for k in names], allow_unused=True)
             grads = [torch.zeros_like(point[k]) if g is None else g for k, g in zip(names, grads)]
-            dots.append(sum((g.double() * v[k].double()).sum() for k, g in zip(names, grads)))
-            norms.append(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+            grads = dict(zip(names, grads))
+            dots.append(flat_dot(grads, v))
+            norms.append(flat_norm(grads))
     return torch.stack(dots), torch.stack(norms)
 
 

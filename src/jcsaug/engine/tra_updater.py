@@ -18,7 +18,13 @@ from jcsaug.engine.base import (
     make_prepare_batch,
     plain,
 )
-from jcsaug.engine.hypergradient import HYPERGRADIENTS, flat_norm, get_hypergradient, normalise_hypergradient
+from jcsaug.engine.hypergradient import (
+    HYPERGRADIENTS,
+    flat_dot,
+    flat_norm,
+    get_hypergradient,
+    normalise_hypergradient,
+)
 from jcsaug.engine.lookahead import NeumannLookAhead
 from jcsaug.engine.losses import PerSampleLoss, chunked_loss, get_loss, main_output
 from jcsaug.engine.paired import OpEffects
@@ -54,7 +60,7 @@ def without_component(v: Mapping[str, torch.Tensor], g: Mapping[str, torch.Tenso
     g_norm2 = flat_norm(g) ** 2
     if not bool(torch.isfinite(g_norm2)) or float(g_norm2) == 0.0:
         return dict(v)
-    c = float(sum((v[k].double() * g[k].double()).sum() for k in v) / g_norm2)
+    c = float(flat_dot(v, g) / g_norm2)
     return {k: v[k] - c * g[k].to(v[k].dtype) for k in v}
 
 
