@@ -185,3 +185,17 @@ def test_each_rank_loads_its_own_updater_state(monkeypatch, tmp_path):
     with pytest.warns(UserWarning, match=r"holds no per-rank states .* the ranks draw the same ops"):
         assert torch.equal(resumed_generator(0), first.generator.get_state())
     assert torch.equal(resumed_generator(1), first.generator.get_state())
+
+
+def test_a_resume_pt_from_before_the_tra_direction_was_saved_ran_with_v(tmp_path):
+    """A TRA updater state saved without ``direction`` was made scoring against v (``validation``): resuming it
+    with ``beyond-training`` (the synthetic bundle's default since) is refused, naming both; ``validation`` resumes."""
+    from jcsaug.engine.resume import check_resume_matches
+
+    state = {"tra_updater": {"settings": {"seed": 0, "lookahead": 16.0}}}
+    check_resume_matches(state, tmp_path / "resume.pt", None, None,
+                         updaters={"tra_updater": {"seed": 0, "direction": "validation"}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"with tra_updater\.direction beyond-training: that run was saved with "
+                       r"tra_updater\.direction validation"):  # fmt: skip
+        check_resume_matches(state, tmp_path / "resume.pt", None, None,
+                             updaters={"tra_updater": {"seed": 0, "direction": "beyond-training"}})  # fmt: skip

@@ -207,12 +207,19 @@ def _differences(
     for name, asked_settings in (updaters or {}).items():
         entry = state.get(name)
         saved = entry.get("settings") if isinstance(entry, Mapping) else None
+        if isinstance(saved, Mapping):
+            saved = {**UPDATER_SETTINGS_BEFORE_SAVED, **saved}
         found += _setting_differences(asked_settings, saved, f"{name}.", f"{name}.")
     ranks = state.get(RANK_STATES)
     saved_world = ranks.get("world_size") if isinstance(ranks, Mapping) else None
     if world_size is not None and saved_world is not None and int(world_size) != int(saved_world):
         found.append(("processes", _processes(world_size), _processes(saved_world)))
     return found
+
+
+#: a policy updater's setting -> the value every run had before the setting was saved in ``resume.pt`` (a file
+#: without it ran with that value, so a resume asking another is refused rather than silently changing the run)
+UPDATER_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"direction": "validation"}
 
 
 def _setting_differences(
@@ -248,7 +255,8 @@ def check_resume_matches(
     (saved by :class:`ResumeCheckpoint` with its ``settings``); ``updaters``, checkpoint entry -> the policy
     updater's :meth:`~jcsaug.engine.base.PolicyUpdater.resume_settings` (seed, update interval, learning rate...);
     and ``world_size``, the number of processes, when the file holds per-rank states. ``None`` (or a setting the
-    file does not hold, e.g. one saved by an older version) is not checked.
+    file does not hold, e.g. one saved by an older version) is not checked, except the updater settings of
+    :data:`UPDATER_SETTINGS_BEFORE_SAVED`, whose value before they were saved is known.
     """
     if not isinstance(state, Mapping):
         return
