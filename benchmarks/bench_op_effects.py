@@ -70,9 +70,15 @@ from monai.bundle import ConfigParser
 from monai.data import load_decathlon_datalist
 from scipy.stats import spearmanr
 
-from jcsaug.engine.hypergradient import flat_dot, flat_norm, jvp_hypergradient, per_sample_gradient_stats
+from jcsaug.engine.hypergradient import (
+    flat_dot,
+    flat_norm,
+    jvp_hypergradient,
+    per_sample_gradient_stats,
+    training_gradient,
+)
 from jcsaug.engine.losses import chunked_loss, get_loss
-from jcsaug.engine.tra_updater import without_component
+from jcsaug.engine.tra_updater import TRA_DIRECTIONS, without_component
 from jcsaug.ops.tra import (
     TRA_SERIES,
     TRA_SERIES_NAMES,
@@ -297,12 +303,10 @@ def validation_directions(
 
 def source_gradient(model: torch.nn.Module, patches: Patches, train_loss: Callable) -> Direction:
     """The gradient of the mean training loss over every group's plain source patches."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     device = next(model.parameters()).device
     images = torch.cat([x for x, _ in patches.values()]).to(device)
     labels = torch.cat([y for _, y in patches.values()]).to(device)
-    grads = torch.autograd.grad(train_loss(model(images), labels).mean(), list(params.values()))
-    return dict(zip(params, grads))
+    return training_gradient(model, images, labels, train_loss)
 
 
 def directional_scores(
@@ -477,7 +481,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="TRA ops or 'all' (default: the shift's undoing ops + rotate±[20,30))")  # fmt: skip
     parser.add_argument("--gradient-ratio", action="store_true",
                         help="also each op's training-gradient ratio, correlated with the effect")  # fmt: skip
-    parser.add_argument("--direction", choices=["validation", "beyond-training"], default="validation",
+    parser.add_argument("--direction", choices=TRA_DIRECTIONS.names(), default="validation",
                         help="score against v, or v less its component along the plain patches' gradient")  # fmt: skip
     parser.add_argument("--patches-per-group", type=int, default=48)
     parser.add_argument("--val-directions", type=int, default=2, help="validation directions v (averaged over)")
@@ -507,7 +511,8 @@ def measure_state(
     if args.direction == "beyond-training":
         source = source_gradient(model, patches, get_loss(parser["train_loss"]))
         cosines = ", cos(v, source gradient) = " + ", ".join(
-            f"{float(flat_dot(v, source) / (flat_norm(v) * flat_norm(source))):+.3f}" for v in directions)
+            f"{float(flat_dot(v, source) / (flat_norm(v) * flat_norm(source))):+.3f}" for v in directions
+        )
         directions = [without_component(v, source) for v in directions]
     with torch.no_grad():
         loss = np.mean([float(val_loss([(model(x.to(device)), y.to(device))])) for b in batches for x, y in b])

@@ -158,6 +158,19 @@ def jvp_hypergradient(
     return -lr * tangent.double() / image.shape[0]
 
 
+def training_gradient(
+    model: nn.Module, image: torch.Tensor, label: torch.Tensor, loss_fn: PerSampleLoss
+) -> dict[str, torch.Tensor]:
+    """The gradient of the batch's mean training loss with respect to the model's trainable parameters, at their
+    present values (zeros for a parameter the loss does not reach)."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    loss = loss_fn(main_output(model(image)), label).mean()
+    if not torch.isfinite(loss):
+        raise FloatingPointError("non-finite training loss")
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    return {n: g if g is not None else torch.zeros_like(p) for (n, p), g in zip(params.items(), grads)}
+
+
 def per_sample_gradient_stats(
     model: nn.Module,
     theta: Mapping[str, torch.Tensor],

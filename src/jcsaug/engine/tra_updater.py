@@ -24,6 +24,7 @@ from jcsaug.engine.hypergradient import (
     flat_norm,
     get_hypergradient,
     normalise_hypergradient,
+    training_gradient,
 )
 from jcsaug.engine.lookahead import NeumannLookAhead
 from jcsaug.engine.losses import PerSampleLoss, chunked_loss, get_loss, main_output
@@ -33,8 +34,14 @@ from jcsaug.policy.cascade import COUNTERFACTUAL_SUFFIX, DEFAULT_CF_OP_KEY
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.registry import Registry
 
-__all__ = ["HYPERGRADIENTS", "TRA_DIRECTIONS", "TRA_ESTIMATORS", "TRAPolicyUpdater", "tea_transform_batch",
-           "without_component"]
+__all__ = [
+    "HYPERGRADIENTS",
+    "TRA_DIRECTIONS",
+    "TRA_ESTIMATORS",
+    "TRAPolicyUpdater",
+    "tea_transform_batch",
+    "without_component",
+]
 
 #: how the per-sample hypergradients become a policy gradient (see :class:`TRAPolicyUpdater`)
 TRA_ESTIMATORS: Registry[str] = Registry(
@@ -341,12 +348,10 @@ class TRAPolicyUpdater(PolicyUpdater):
 
     def _training_gradient(self, image: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
         """The gradient of the training batch's mean loss at the network's present parameters (those of ``v``)."""
-        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        loss = self.train_loss(main_output(self.model(image)), label).mean()
-        if not torch.isfinite(loss):
-            raise SkipUpdate("non-finite training loss")
-        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-        return {n: g if g is not None else torch.zeros_like(p) for (n, p), g in zip(params.items(), grads)}
+        try:
+            return training_gradient(self.model, image, label, self.train_loss)
+        except FloatingPointError as err:
+            raise SkipUpdate(str(err)) from err
 
     def _counterfactuals(self, batch: Mapping, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(images [n*K, ...], labels [n*K, ...], cf_ops [n, K, 2])`` made by ``TRACascaded(counterfactuals=K)``."""
