@@ -330,3 +330,37 @@ def test_an_update_scores_along_the_look_ahead_of_its_validation_gradient_on_the
         expected_u = series(net, reference._validation_gradient(), x, y, reference.train_loss)
         torch.testing.assert_close(flat(call["u"]), flat(expected_u), rtol=0, atol=0)
     assert not torch.allclose(flat(seen[1]["u"]), flat(seen[1]["v"]))  # the second update is not the one-step one
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_the_look_ahead_hands_out_the_training_batchs_gradient_it_computed(training):
+    """After a call, ``gradient`` is the training batch's mean-loss gradient at the call's parameters (the base of
+    the finite differences, which ``beyond-training`` reuses instead of a pass of its own): equal to a plain
+    ``training_gradient`` in eval mode, and in training mode (dropout) with the look-ahead's own masks; ``None``
+    with horizon 1. The model's parameters and buffers are left as they were."""
+    from monai.networks.nets import UNet
+
+    from jcsaug.engine.hypergradient import training_gradient
+    from jcsaug.engine.losses import get_loss
+
+    torch.manual_seed(0)
+    net = UNet(3, 1, 2, channels=(4, 8), strides=(2,), num_res_units=0, norm="batch", dropout=0.3)
+    net.train(training)
+    batch = lesion_batch(2)
+    x, y = batch["image"], batch["label"]
+    loss_fn = get_loss("ce+dice")
+    before = {k: t.clone() for k, t in net.state_dict().items()}
+    v = {n: torch.randn_like(p) for n, p in net.named_parameters()}
+    lookahead = NeumannLookAhead(horizon=4)
+    for _ in range(2):
+        state = torch.get_rng_state()
+        lookahead(net, v, x, y, loss_fn)
+        assert all(torch.equal(t, before[k]) for k, t in net.state_dict().items())  # BatchNorm's buffers too
+        torch.set_rng_state(state)  # the same dropout masks as the look-ahead's passes
+        expected = training_gradient(net, x, y, loss_fn)
+        net.load_state_dict(before)  # a plain pass in training mode moved the running statistics
+        assert lookahead.gradient.keys() == expected.keys()
+        torch.testing.assert_close(flat(lookahead.gradient), flat(expected), rtol=1e-5, atol=1e-7)
+    one_step = NeumannLookAhead(horizon=1)
+    one_step(net, v, x, y, loss_fn)
+    assert one_step.gradient is None

@@ -1041,11 +1041,13 @@ def test_without_component_removes_the_projection_on_g_and_leaves_v_for_a_zero_g
     assert all(torch.equal(zero[k], v[k]) for k in v)
 
 
+@pytest.mark.parametrize("lookahead", [1, 8])
 @pytest.mark.parametrize("direction", ["validation", "beyond-training"])
-def test_tra_direction_scores_against_v_or_v_beyond_the_training_batchs_gradient(monkeypatch, direction):
+def test_tra_direction_scores_against_v_or_v_beyond_the_training_batchs_gradient(monkeypatch, direction, lookahead):
     """``direction="beyond-training"``: the hypergradient gets ``v`` less its component along the gradient of the
     training batch's mean loss at the network's present parameters (orthogonal to it, the rest of ``v`` kept);
-    ``"validation"`` gets ``v`` itself. An unknown direction is refused, naming the valid ones."""
+    ``"validation"`` gets ``v`` itself. With the look-ahead on (its first update: ``u = v``) the same, the gradient
+    taken from the look-ahead's own passes. An unknown direction is refused, naming the valid ones."""
     from jcsaug.engine.hypergradient import flat_norm
     from jcsaug.registry import UnknownNameError
 
@@ -1056,7 +1058,7 @@ def test_tra_direction_scores_against_v_or_v_beyond_the_training_batchs_gradient
     y = (x > 0).float()
     val = [{"image": torch.randn(2, 1, 4, 4, 4), "label": (torch.randn(2, 1, 4, 4, 4) > 1).float()}]
     updater = TRAPolicyUpdater(CategoricalPolicy([3, 2], num_groups=2), net, val, opt, estimator="paired",
-                               direction=direction)  # fmt: skip
+                               direction=direction, lookahead=lookahead)  # fmt: skip
     v = updater._validation_gradient()
     params = dict(net.named_parameters())
     g_train = dict(zip(params, torch.autograd.grad(updater.train_loss(net(x), y).mean(), list(params.values()))))
@@ -1085,3 +1087,39 @@ def test_tra_direction_scores_against_v_or_v_beyond_the_training_batchs_gradient
     assert updater._settings["direction"] == direction
     with pytest.raises(UnknownNameError, match="beyond-training"):
         TRAPolicyUpdater(CategoricalPolicy([3, 2], num_groups=2), net, val, opt, direction="orthogonal")
+
+
+@pytest.mark.parametrize("lookahead", [1, 8])
+def test_beyond_training_costs_one_pass_of_the_batch_without_the_look_ahead_and_none_with_it(monkeypatch, lookahead):
+    """The training batch's gradient that ``beyond-training`` removes is the base the look-ahead's finite
+    differences compute anyway: with the look-ahead on, the direction adds no forward pass to an update; without
+    it, one (with the batch's samples, not their paired copies)."""
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 2, 1)
+    x = torch.randn(2, 1, 4, 4, 4)
+    y = (x > 0).float()
+    val = [{"image": torch.randn(2, 1, 4, 4, 4), "label": (torch.randn(2, 1, 4, 4, 4) > 1).float()}]
+    passes = []
+    net.register_forward_hook(lambda module, args, out: passes.append(args[0].shape[0]))
+
+    def passes_per_update(direction: str) -> list[int]:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        updater = TRAPolicyUpdater(CategoricalPolicy([3, 2], num_groups=2), net, val, opt, estimator="paired",
+                                   direction=direction, lookahead=lookahead)  # fmt: skip
+        monkeypatch.setattr(updater, "_paired_step", lambda *a: None)
+        engine = Engine(lambda e, b: None)
+        engine.state.batch = paired_batch(x, y)
+        counts = []
+        for _ in range(2):  # the second update: the look-ahead's series carries u, one more product
+            updater._theta, updater._alpha = {n: p.detach().clone() for n, p in net.named_parameters()}, 0.05
+            passes.clear()
+            updater.update(engine)
+            counts.append(list(passes))
+        return counts
+
+    plain, beyond = passes_per_update("validation"), passes_per_update("beyond-training")
+    for before, after in zip(plain, beyond):
+        extra = list(after)
+        for size in before:
+            extra.remove(size)
+        assert extra == ([] if lookahead > 1 else [2])

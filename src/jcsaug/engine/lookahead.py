@@ -59,7 +59,19 @@ def hessian_vector_products(
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if exact:
         return _exact_products(model, params, image, label, loss_fn, vectors)
+    return _finite_difference_products(model, params, image, label, loss_fn, vectors, r)[0]
 
+
+def _finite_difference_products(
+    model: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    image: torch.Tensor,
+    label: torch.Tensor,
+    loss_fn: PerSampleLoss,
+    vectors: list[Mapping[str, torch.Tensor]],
+    r: float | None = None,
+) -> tuple[list[Vector], Vector]:
+    """``(H x for every x, the gradient at theta)``: the products and their base, the batch's gradient."""
     # in training mode every pass draws the same dropout masks and runs on copies of the buffers, so that the
     # difference of two gradients is the shift's effect alone and BatchNorm's running statistics stay as they were
     rewind = rewind_randomness(image.device)
@@ -85,7 +97,7 @@ def hessian_vector_products(
         eps = r / norm
         shifted = gradient_at(x, eps)
         out.append({n: (shifted[n] - base[n]) / eps for n in params})
-    return out
+    return out, base
 
 
 def _exact_products(
@@ -119,7 +131,8 @@ class NeumannLookAhead:
 
     Call ``lookahead(model, v, image, label, loss_fn)`` once per update with the training batch (at the same
     parameters as ``v``); ``state_dict`` / ``load_state_dict`` carry ``u`` and the power-iteration vector for an
-    exact resume.
+    exact resume. After a call, ``gradient`` holds the training batch's mean-loss gradient at those parameters (the
+    base of the finite differences; ``None`` with ``horizon`` 1), for a caller that needs it too.
     """
 
     def __init__(self, horizon: float, step: float = 0.5) -> None:
@@ -133,6 +146,7 @@ class NeumannLookAhead:
         self.w: Vector | None = None  # power-iteration vector of the largest curvature
         self.curvature = float("nan")  # lambda_t of the last update
         self.alpha = float("nan")
+        self.gradient: Vector | None = None  # the training batch's gradient at the last call's parameters
 
     def __call__(
         self,
@@ -143,6 +157,7 @@ class NeumannLookAhead:
         loss_fn: PerSampleLoss,
     ) -> Vector:
         v = dict(v)
+        self.gradient = None
         if self.rho == 0.0:
             return v
         if self.u is None or self.u.keys() != v.keys():
@@ -150,7 +165,8 @@ class NeumannLookAhead:
         elif not float(flat_norm(self.w)) > 0:  # started from a zero v: nothing for the power iteration to iterate
             self.w = _unit(v)
         vectors = [self.w] + ([self.u] if self.u is not None else [])
-        products = hessian_vector_products(model, image, label, loss_fn, vectors)
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        products, self.gradient = _finite_difference_products(model, params, image, label, loss_fn, vectors)
         hw = products[0]
         curvature = float(flat_norm(hw))
         if not math.isfinite(curvature):

@@ -161,7 +161,8 @@ class TRAPolicyUpdater(PolicyUpdater):
         direction: what the samples' training gradients are scored against (:data:`TRA_DIRECTIONS`):
             ``"validation"`` (default, the paper's) ``v`` itself (or the look-ahead's ``u``); ``"beyond-training"``
             (beyond the paper) ``v`` without its component along the gradient of the training batch's mean loss
-            (one more forward-backward pass of the batch per update). Most of ``v`` is the progress any step on
+            (one more forward-backward pass of the batch per update, none with the look-ahead, which has
+            computed that gradient already). Most of ``v`` is the progress any step on
             source patches makes (on the synthetic zoom shift ``v`` and the plain source gradient have a cosine
             of ~0.7): an op is credited for what it adds beyond it, not for a larger step along it.
 
@@ -347,7 +348,13 @@ class TRAPolicyUpdater(PolicyUpdater):
             raise SkipUpdate(str(err)) from err
 
     def _training_gradient(self, image: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The gradient of the training batch's mean loss at the network's present parameters (those of ``v``)."""
+        """The gradient of the training batch's mean loss at the network's present parameters (those of ``v``).
+
+        The look-ahead, when on, has just computed it (the base of its finite differences): taken from there, one
+        forward-backward pass of the batch per update fewer (in ``meta_mode: train`` with the look-ahead's dropout
+        masks, an estimate as good as a fresh draw's)."""
+        if self.lookahead is not None and self.lookahead.gradient is not None:
+            return self.lookahead.gradient
         try:
             return training_gradient(self.model, image, label, self.train_loss)
         except FloatingPointError as err:
