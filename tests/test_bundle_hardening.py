@@ -21,6 +21,7 @@ from monai.bundle import ConfigParser, ConfigWorkflow
 from helpers import CONFIGS, small_dataset
 from jcsaug.engine import nonfinite_entries, read_checkpoint, save_checkpoint_atomic
 from jcsaug.engine.preflight import PreflightError, check_override_ids
+from jcsaug.inference import TEAInferer
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
@@ -427,3 +428,30 @@ def test_a_class_the_bundle_does_not_have_is_refused_before_the_run(monkeypatch,
         "error: bad settings:\n  --keep_largest_component [2]: class 2 is not a foreground class 1..1 (num_classes 2)"
     )
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("bundle", ["synthetic_lesion", "kits19_tumor"])
+def test_tea_identity_weight_reaches_the_learned_tta_of_the_run_evaluate_and_inference(monkeypatch, tmp_path, bundle):
+    """``tea_identity_weight``: the learned TTA of the training run's own evaluation, of evaluate.yaml and of
+    inference.yaml holds the identity at that weight (null: the paper's top ``tea_z`` ops)."""
+    from jcsaug.policy import make_tea_policy
+    from jcsaug.policy.io import save_policies
+
+    configs = BUNDLES / bundle / "configs"
+    train = ConfigParser.load_config_file(configs / "train.yaml")
+    assert "identity_weight=@tea_identity_weight" in train["test_inferers"]
+    shared = ConfigParser.load_config_files([str(configs / "evaluate.yaml"), str(configs / "inference.yaml")])
+    assert all("identity_weight=@tea_identity_weight" in shared[k] for k in ("test_inferers", "inferer"))
+    (tmp_path / "run").mkdir()
+    policy = make_tea_policy("nnunet")
+    save_policies(tmp_path / "run" / "policies.json", tea=policy)
+    for weight, identity_share in ((0.5, 0.5), (None, None)):
+        parser = ConfigParser()
+        parser.read_config([str(configs / "train.yaml"), str(configs / "evaluate.yaml")])
+        parser.update({"output_dir": str(tmp_path / "run"), "tea_identity_weight": weight, "tea_z": 4,
+                       "sw_inferer": "$None"})  # fmt: skip
+        learned = parser.get_parsed_content("test_inferers")["learned"]
+        if identity_share is None:
+            assert learned.weights == TEAInferer.from_policy(policy, 4).weights
+        else:
+            assert learned.ops[0].name == "identity" and learned.weights[0] == pytest.approx(identity_share)

@@ -132,3 +132,36 @@ def test_one_factory_builds_every_test_time_method(tmp_path):
     methods = ["none", "heuristic", "learned"]
     assert list(make_tta_inferers(methods, None, only_tra, skip_unavailable=True)) == ["none", "heuristic"]
     assert list(make_tta_inferers(methods, None, path)) == methods
+
+
+def test_identity_weight_makes_the_ensemble_the_probability_weighted_mixture_of_identity_op_pairs(tmp_path):
+    """``identity_weight=w``: the identity at ``w`` (once, whatever its own logit) and the top ``z - 1`` other ops
+    sharing ``1 - w`` by the softmax of their logits; with 1/2 the output logits are the probability-weighted
+    mean of the (identity, op) pairs' averaged logits, the pairs a ``with-identity`` TEA score rates. Bad values
+    are refused; the factories pass it to ``learned`` only."""
+    from jcsaug.inference import make_tta_inferers
+
+    policy = make_tea_policy("uniform")
+    with torch.no_grad():
+        policy.logits[0] = torch.linspace(0.0, -3.0, policy.logits.shape[1])
+        policy.logits[0, 0] = 5.0  # the identity most probable: not counted twice
+        policy.logits[0, 38], policy.logits[0, 54] = 2.0, 1.0  # mirror_sagittal, shift_add_0.05
+    inferer = TEAInferer.from_policy(policy, z=3, identity_weight=0.5)
+    assert [op.id for op in inferer.ops] == [0, 38, 54]
+    p = torch.softmax(torch.tensor([2.0, 1.0], dtype=torch.float64), 0)
+    np.testing.assert_allclose(inferer.weights, [0.5, 0.5 * float(p[0]), 0.5 * float(p[1])], rtol=1e-12)
+    x = torch.rand(1, 1, 8, 9, 10)
+    plain = _net(x)
+    mirrored = torch.flip(_net(torch.flip(x, (2,))), (2,))
+    shifted = _net(x + 0.05)
+    pairs = float(p[0]) * (plain + mirrored) / 2 + float(p[1]) * (plain + shifted) / 2
+    torch.testing.assert_close(inferer(x, _net), pairs, atol=1e-5, rtol=1e-5)
+    assert [op.id for op in TEAInferer.from_policy(policy, z=3).ops] == [0, 38, 54]  # the paper's: by probability
+    for bad, match in (({"identity_weight": 0.0}, "identity_weight"), ({"identity_weight": 1.0}, "identity_weight"),
+                       ({"identity_weight": 0.5, "z": 1}, "z must be >= 2")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            TEAInferer.from_policy(policy, **{"z": 3, **bad})
+    path = save_policies(tmp_path / "policies.json", tea=policy)
+    inferers = make_tta_inferers(["none", "heuristic", "learned"], None, path, z=3, identity_weight=0.5)
+    assert isinstance(inferers["none"], NoTTAInferer) and isinstance(inferers["heuristic"], MirrorTTAInferer)
+    assert inferers["learned"].weights[0] == pytest.approx(0.5)

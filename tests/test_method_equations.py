@@ -449,6 +449,46 @@ def test_tea_op_score_with_identity_scores_each_op_in_the_ttas_pair(estimator):
         TEAPolicyUpdater(policy, _Threshold(), val, ops=ops, op_score="pair")
 
 
+@pytest.mark.parametrize("estimator", ["gumbel", "paired"])
+def test_tea_op_score_with_identity_hard_scores_the_pairs_argmax_segmentation(estimator):
+    """``op_score="with-identity-hard"``: a copy is scored by one minus the hard Dice of the argmax of its
+    mapped-back logits averaged with the untouched copy's. Foreground at 0.6 (found) and at 0.48 or 0.46 (missed by
+    the untouched copy, logit -0.06 / -0.12): +0.05 lifts it to +0.09 / +0.03, so the pair's average finds it at
+    0.48 (+0.015) and misses it at 0.46 (-0.045), although the op alone finds both: the score is the pair's
+    segmentation, not the op's and not a softened one."""
+    ops = [TEA_OPS[0], TEA_OPS[38], TEA_OPS[54]]
+    label = torch.zeros(1, 8, 8, 8)
+    label[0, 4:, 4:, 4:] = 1  # 64 voxels: 32 at 0.6 and 32 at the faint value
+    policy = CategoricalPolicy([len(ops)]).double()
+    for faint, pair_finds_it in ((0.48, True), (0.46, False)):
+        image = 0.3 + label * 0.3
+        image[0, 4:6, 4:, 4:] = faint
+        val = [{"image": image[None], "label": label[None]}]
+        updater = TEAPolicyUpdater(policy, _Threshold(), val, lr=0.1, num_copies=2, ops=ops, seed=0,
+                                   estimator=estimator, op_score="with-identity-hard")  # fmt: skip
+        losses = updater._mapped_back_dice(image, label, [ops[1], ops[2]]).numpy()
+        half = 1 - 2 * 32 / (32 + 64)  # the untouched copy finds 32 of 64 voxels, no false positive
+        np.testing.assert_allclose(losses, [half, half, 0.0 if pair_finds_it else half], atol=1e-7)
+    assert updater.resume_settings()["op_score"] == "with-identity-hard"
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run([0], max_epochs=1)
+    assert updater.updates == 1
+
+
+def test_hard_dice_loss_counts_a_class_absent_from_label_and_segmentation_as_matched():
+    from jcsaug.engine.tea_updater import hard_dice_loss
+
+    label = torch.zeros(3, 1, 4, 4, 4)
+    label[:, :, :2] = 1  # class 1 in the first half, class 2 absent
+    logits = torch.zeros(3, 3, 4, 4, 4)
+    logits[0, 1, :2] = 1  # perfect: class 2 absent from both
+    logits[1, 1, :1] = 1  # half of class 1 (Dice 2/3), class 2 absent from both (1)
+    logits[2, 1, :2] = 1
+    logits[2, 2, 3:] = 1  # class 1 perfect, class 2 predicted where it is absent (0)
+    torch.testing.assert_close(hard_dice_loss(logits, label), torch.tensor([0.0, (1 - 2 / 3) / 2, 0.5]))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the collective step and the policy learning rate
 class _GivenGradient(PolicyUpdater):

@@ -97,6 +97,9 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tra_estimator", "gumble", "must be one of gumbel, paired"),
         ("tea_estimator", "pair", "must be one of gumbel, paired"),
         ("tra_direction", "orthogonal", "must be one of validation, beyond-training"),
+        ("tea_op_score", "pair", "must be one of alone, alone-logits, with-identity, with-identity-hard"),
+        ("tea_identity_weight", 1.0, "must be a number in (0, 1), or None"),
+        ("tea_identity_weight", "half", "must be a number in (0, 1), or None"),
         ("train_loss", "focal", "must be one of ce, ce+dice, dice"),
         ("val_loss", "focal", "must be one of batch-dice, ce, ce+dice, dice"),
         ("tea_patch_size", [48, 0, 48], "must be a list of positive integers, one per spatial axis, e.g. [32, 32, 32], "
@@ -137,6 +140,9 @@ def test_settings_the_updaters_accept_pass():
         ({"tra_mode": "class-specific", "tra_estimator": "paired", "tra_counterfactuals": 0},
          "--tra_counterfactuals 0: the paired TRA estimator (tra_estimator paired) of tra_mode 'class-specific' needs "
          "at least 1 counterfactual copy per training patch"),
+        ({"tea_z": 1, "tea_identity_weight": 0.5},
+         "--tea_z 1: with a tea_identity_weight (0.5) the learned TTA holds the identity and at least one op: tea_z "
+         "must be >= 2"),
     ],
 )  # fmt: skip
 def test_settings_that_do_not_go_together_are_refused(settings, expected):
@@ -158,6 +164,8 @@ def test_settings_that_do_not_go_together_are_refused(settings, expected):
         {"tea_mode": "heuristic", "tea_estimator": "paired", "num_tea_copies": 84},
         {"tra_mode": "heuristic", "tra_estimator": "paired", "tra_counterfactuals": 0},
         {"tra_mode": "class-specific", "tra_estimator": "gumbel", "tra_counterfactuals": 0},
+        {"tea_z": 1, "tea_identity_weight": None},
+        {"tea_z": 2, "tea_identity_weight": 0.5},
     ],
 )
 def test_the_same_values_pass_where_they_are_not_used(settings):

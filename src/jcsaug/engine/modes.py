@@ -197,7 +197,7 @@ class AugmentationSetup:
         tra_counterfactuals: counterfactual copies per training patch for the ``"paired"`` estimator; read
             :attr:`counterfactuals` for the pipeline's ``TRACascaded``.
         tea_estimator: ``"gumbel"`` or ``"paired"`` (see :class:`TEAPolicyUpdater`).
-        tea_op_score: ``"alone"``, ``"alone-logits"`` or ``"with-identity"`` (see :class:`TEAPolicyUpdater`'s
+        tea_op_score: a name of :data:`jcsaug.engine.tea_updater.TEA_OP_SCORES` (see :class:`TEAPolicyUpdater`'s
             ``op_score``).
     """
 

@@ -226,6 +226,10 @@ def _patch_size(value: Any) -> str | None:
     return None
 
 
+def _identity_weight(value: Any) -> str | None:
+    return None if value is None or (_finite(value) and 0 < value < 1) else "must be a number in (0, 1), or None"
+
+
 def _optional_patch_size(value: Any) -> str | None:
     reason = None if value is None else _patch_size(value)
     return reason and f"{reason}, or None"
@@ -324,6 +328,7 @@ def _validators() -> dict[str, Any]:
         "val_loss": _val_loss,
         "network": _network,
         "tea_z": _tea_z,
+        "tea_identity_weight": _identity_weight,
         "patch_size": _patch_size,
         "tea_patch_size": _optional_patch_size,
         "tra_preset": _tra_preset,
@@ -372,6 +377,7 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
     * the paired TEA estimator scores each of its Z copies with another non-identity op (at most 83);
     * the paired TRA estimator needs at least one counterfactual copy;
     * the classes ``keep_largest_component`` names are foreground classes ``1..num_classes-1``;
+    * a ``tea_identity_weight`` needs ``tea_z`` >= 2 (the identity and at least one op);
     * a ``fixed`` mode's (``from_file``) ``tra_policy`` / ``tea_policy`` must exist and hold its policy, as
       :class:`~jcsaug.engine.AugmentationSetup` requires (no file at all: it says so itself when a training run
       builds it); a file given to another mode is ignored there: a warning.
@@ -408,6 +414,12 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
         problems.append(
             f"--tra_counterfactuals {k!r}: the paired TRA estimator (tra_estimator paired) of tra_mode {tra.name!r} "
             "needs at least 1 counterfactual copy per training patch"
+        )
+    weight = settings.get("tea_identity_weight")
+    if weight is not None and valid("tea_identity_weight") and valid("tea_z") and settings["tea_z"] < 2:
+        problems.append(
+            f"--tea_z {settings['tea_z']!r}: with a tea_identity_weight ({weight!r}) the learned TTA holds the "
+            "identity and at least one op: tea_z must be >= 2"
         )
     for which, mode in (("tra", tra), ("tea", tea)):
         problems += _policy_file_problems(which, mode, settings, valid)

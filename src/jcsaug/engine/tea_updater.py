@@ -7,6 +7,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from ignite.engine import Engine
 from monai.losses import DiceLoss
+from monai.metrics import compute_dice
+from monai.networks.utils import one_hot
 from torch import nn
 
 from jcsaug.engine.base import PolicyUpdater, PrepareBatch, SkipUpdate, ValidationStream, make_prepare_batch
@@ -34,6 +36,8 @@ TEA_OP_SCORES: Registry[str] = Registry(
         "alone-logits": "the op's mapped-back prediction on its own, its logits mapped back (as the TTA and the "
         "reference code map them) and then softmax",
         "with-identity": "the op's mapped-back logits averaged with the untouched copy's, as the TTA ensemble uses it",
+        "with-identity-hard": "the hard Dice (argmax) of the op's mapped-back logits averaged with the untouched "
+        "copy's: the segmentation the TTA's pair of identity and op outputs",
     },
 )
 
@@ -44,6 +48,15 @@ _SOFT_DICE = DiceLoss(include_background=False, to_onehot_y=True, softmax=False,
 def soft_dice_loss(probs: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     """``[B, C, ...]`` probabilities vs ``[B, 1, ...]`` labels -> ``[B]`` mean foreground soft Dice loss."""
     return _SOFT_DICE(probs, label).flatten(1).mean(1)
+
+
+def hard_dice_loss(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """``[B, C, ...]`` logits vs ``[B, 1, ...]`` labels -> ``[B]`` one minus the mean foreground Dice of the argmax
+    segmentation (a class absent from both label and segmentation counts as Dice 1, absent from one as 0)."""
+    classes = logits.shape[1]
+    pred = one_hot(logits.argmax(1, keepdim=True), classes)
+    truth = one_hot(label.long(), classes)
+    return 1.0 - compute_dice(pred, truth, include_background=False, ignore_empty=False).mean(1)
 
 
 def predict_by_shape(model: nn.Module, images: Sequence[torch.Tensor], logits: bool = False) -> list[torch.Tensor]:
@@ -106,7 +119,9 @@ class TEAPolicyUpdater(PolicyUpdater):
             averages them beside the identity: an op that helps the ensemble without being better alone, e.g. a
             zoom out that undoes a magnified target, is credited). A research setting: on the default synthetic
             shift it credits zoom-ins that lower the soft Dice loss of the average but cost TTA Dice
-            (``benchmarks/README.md``, "A zoom shift").
+            (``benchmarks/README.md``, "A zoom shift"). ``"with-identity-hard"``: the same pair scored by the
+            hard Dice of its argmax, the segmentation the TTA outputs (not differentiable, and need not be: both
+            estimators use the scores as values), so that an average of logits cannot gain by softening alone.
 
     Example: learn a TEA policy for a frozen network, one update per iteration::
 
@@ -213,7 +228,8 @@ class TEAPolicyUpdater(PolicyUpdater):
         """Soft Dice losses ``[1 + len(ops)]`` of the untouched patch and of each op's mapped-back prediction: its
         softmax probabilities mapped back (``op_score="alone"``), its logits mapped back and then the softmax
         (``"alone-logits"``, as :class:`jcsaug.inference.TEAInferer` forms it), or the average of its mapped-back
-        logits and the untouched copy's (``"with-identity"``)."""
+        logits and the untouched copy's (``"with-identity"``); with ``"with-identity-hard"`` one minus the hard Dice
+        of that average's argmax (the untouched copy's own logits for the untouched one)."""
         logits = self.op_score != "alone"
         was_training = self.model.training
         self.model.eval()
@@ -224,10 +240,13 @@ class TEAPolicyUpdater(PolicyUpdater):
         finally:
             self.model.train(was_training)
         mapped = torch.stack([preds[0], *apply_tea_ops_by_shape(ops, preds[1:], "invert")])
-        if self.op_score == "with-identity":  # the TTA's ensemble of the identity and the op: logits averaged
+        if self.op_score.startswith("with-identity"):  # the TTA's ensemble of the identity and the op: logits averaged
             mapped = torch.cat([mapped[:1], (mapped[:1] + mapped[1:]) / 2])
+        labels = label.unsqueeze(0).expand(len(mapped), *label.shape)
+        if self.op_score == "with-identity-hard":
+            return hard_dice_loss(mapped, labels).double().cpu()
         probs = torch.softmax(mapped, dim=1) if logits else mapped
-        return soft_dice_loss(probs, label.unsqueeze(0).expand(len(probs), *label.shape)).double().cpu()
+        return soft_dice_loss(probs, labels).double().cpu()
 
     def _paired_update(self, engine: Engine) -> None:
         measured_ops, effects, untouched, augmented = [], [], [], []

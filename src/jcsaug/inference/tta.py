@@ -72,9 +72,20 @@ class TEAInferer(Inferer):
 
     @classmethod
     def from_policy(
-        cls, policy: CategoricalPolicy, z: int = 8, base_inferer: Inferer | None = None, average: Average = "logits"
+        cls,
+        policy: CategoricalPolicy,
+        z: int = 8,
+        base_inferer: Inferer | None = None,
+        average: Average = "logits",
+        identity_weight: float | None = None,
     ) -> TEAInferer:
-        """The ``z`` ops of highest probability, weighted by the softmax of their logits."""
+        """The ``z`` ops of highest probability, weighted by the softmax of their logits (the paper's).
+
+        ``identity_weight`` (in (0, 1)): the identity at that weight plus the ``z - 1`` non-identity ops of highest
+        probability sharing the rest by the softmax of their logits. With 1/2, the ensemble is the
+        probability-weighted mixture of (identity, op) pairs, the ensemble a policy learned with a TEA op score of
+        ``with-identity`` (:class:`jcsaug.engine.TEAPolicyUpdater`) scored its ops for: such a policy can put
+        its weight on ops that help only beside the identity (a zoom that fails alone)."""
         if policy.num_series != 1 or policy.series_sizes[0] != len(TEA_OPS):
             raise ValueError(
                 f"not a TEA policy: expected one series of {len(TEA_OPS)} ops, got sizes {list(policy.series_sizes)}"
@@ -82,8 +93,17 @@ class TEAInferer(Inferer):
         if not 1 <= z <= len(TEA_OPS):
             raise ValueError(f"z must be in [1, {len(TEA_OPS)}], got {z}")
         logits = policy.logits.detach()[0]
-        top = torch.topk(logits, z).indices
-        return cls([TEA_OPS[int(i)] for i in top], torch.softmax(logits[top].double(), 0), base_inferer, average)
+        if identity_weight is None:
+            top = torch.topk(logits, z).indices
+            return cls([TEA_OPS[int(i)] for i in top], torch.softmax(logits[top].double(), 0), base_inferer, average)
+        if not 0.0 < float(identity_weight) < 1.0:
+            raise ValueError(f"identity_weight must be in (0, 1) or None, got {identity_weight}")
+        if z < 2:
+            raise ValueError(f"z must be >= 2 with an identity_weight (the identity and at least one op), got {z}")
+        top = torch.topk(logits[1:], z - 1).indices + 1  # op 0 is the identity
+        weights = torch.cat([torch.tensor([float(identity_weight)], dtype=torch.float64),
+                             (1.0 - float(identity_weight)) * torch.softmax(logits[top].double(), 0)])  # fmt: skip
+        return cls([TEA_OPS[0], *(TEA_OPS[int(i)] for i in top)], weights, base_inferer, average)
 
     def _predict(self, x: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
         out = self.base_inferer(x, network, *args, **kwargs)
@@ -170,7 +190,9 @@ class _NeedsPolicy(ValueError):
     """A learned method without a TEA policy to learn from."""
 
 
-def _learned(base: Inferer | None, tea_policy: TEAPolicyLike, z: int) -> TEAInferer:
+def _learned(
+    base: Inferer | None, tea_policy: TEAPolicyLike, z: int, identity_weight: float | None = None
+) -> TEAInferer:
     if tea_policy is None:
         raise _NeedsPolicy("test-time augmentation 'learned' needs a TEA policy, and none was given")
     if isinstance(tea_policy, (str, Path)):
@@ -178,14 +200,14 @@ def _learned(base: Inferer | None, tea_policy: TEAPolicyLike, z: int) -> TEAInfe
         if policy is None:
             raise _NeedsPolicy(f"test-time augmentation 'learned' needs a TEA policy: {tea_policy} holds none")
         tea_policy = policy
-    return TEAInferer.from_policy(tea_policy, z, base)
+    return TEAInferer.from_policy(tea_policy, z, base, identity_weight=identity_weight)
 
 
-#: test-time method name -> factory ``(base_inferer, tea_policy, z) -> TEAInferer``; the method names of
-#: ``metrics.json``, ``per_case.csv`` and ``jcsaug report``
+#: test-time method name -> factory ``(base_inferer, tea_policy, z, **options) -> TEAInferer`` (options: an
+#: ``identity_weight``, when one is given); the method names of ``metrics.json``, ``per_case.csv`` and ``jcsaug report``
 TTA_INFERERS: Registry[Callable[[Inferer | None, TEAPolicyLike, int], TEAInferer]] = Registry("test-time augmentation")
-TTA_INFERERS.register("none", lambda base, tea_policy, z: NoTTAInferer(base))
-TTA_INFERERS.register("heuristic", lambda base, tea_policy, z: MirrorTTAInferer(base))
+TTA_INFERERS.register("none", lambda base, tea_policy, z, **options: NoTTAInferer(base))
+TTA_INFERERS.register("heuristic", lambda base, tea_policy, z, **options: MirrorTTAInferer(base))
 TTA_INFERERS.register("learned", _learned)
 
 
@@ -195,10 +217,16 @@ register_tta_inferer, get_tta_inferer, list_tta_inferers = TTA_INFERERS.register
 
 
 def make_tta_inferer(
-    method: str, base_inferer: Inferer | None = None, tea_policy: TEAPolicyLike = None, z: int = 8
+    method: str,
+    base_inferer: Inferer | None = None,
+    tea_policy: TEAPolicyLike = None,
+    z: int = 8,
+    identity_weight: float | None = None,
 ) -> TEAInferer:
     """The one factory of test-time inferers: ``none`` (plain), ``heuristic`` (nnU-Net's 8 mirrorings) or
-    ``learned`` (the top ``z`` ops of ``tea_policy``, a policy or a ``policies.json``/checkpoint path).
+    ``learned`` (the top ``z`` ops of ``tea_policy``, a policy or a ``policies.json``/checkpoint path; with
+    ``identity_weight``, the identity at that weight and the top ``z - 1`` other ops, see
+    :meth:`TEAInferer.from_policy`; passed to a registered factory only when given).
 
     >>> from monai.inferers import SimpleInferer
     >>> from jcsaug.policy import make_tea_policy
@@ -209,7 +237,8 @@ def make_tta_inferer(
     >>> type(make_tta_inferer("heuristic", SimpleInferer())).__name__  # nnU-Net's 8 mirrorings
     'MirrorTTAInferer'
     """
-    return get_tta_inferer(method)(base_inferer, tea_policy, int(z))
+    options = {} if identity_weight is None else {"identity_weight": float(identity_weight)}
+    return get_tta_inferer(method)(base_inferer, tea_policy, int(z), **options)
 
 
 def make_tta_inferers(
@@ -218,13 +247,15 @@ def make_tta_inferers(
     tea_policy: TEAPolicyLike = None,
     z: int = 8,
     skip_unavailable: bool = False,
+    identity_weight: float | None = None,
 ) -> dict[str, TEAInferer]:
     """``{method: make_tta_inferer(method, ...)}``; ``skip_unavailable`` leaves out ``learned`` when there is no TEA
-    policy (e.g. every registered method a finished run can be evaluated with)."""
+    policy (e.g. every registered method a finished run can be evaluated with); ``identity_weight``: see
+    :func:`make_tta_inferer`."""
     inferers = {}
     for method in methods:
         try:
-            inferers[method] = make_tta_inferer(method, base_inferer, tea_policy, z)
+            inferers[method] = make_tta_inferer(method, base_inferer, tea_policy, z, identity_weight)
         except _NeedsPolicy:
             if not skip_unavailable:
                 raise
