@@ -75,6 +75,7 @@ from jcsaug.engine.hypergradient import (
     flat_norm,
     jvp_hypergradient,
     per_sample_gradient_stats,
+    trainable_parameters,
     training_gradient,
 )
 from jcsaug.engine.losses import chunked_loss, get_loss
@@ -288,7 +289,7 @@ def validation_directions(
     model: torch.nn.Module, batches_per_direction: Sequence[Sequence[tuple]], val_loss: Callable
 ) -> list[Direction]:
     """Per direction, ``v`` = gradient of the mean validation loss over its batches (one chunk each)."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    params = trainable_parameters(model)
     device = next(model.parameters()).device
     out = []
     for batches in batches_per_direction:
@@ -345,7 +346,7 @@ def gradient_norms(model: torch.nn.Module, images: torch.Tensor, labels: torch.T
     """``[n]``: the norm of each patch's own training-loss gradient ``|grad l_train(x_i)|`` (one backward pass per
     patch, :func:`~jcsaug.engine.hypergradient.per_sample_gradient_stats`: a JVP gives a gradient's projections,
     not its length)."""
-    theta = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    theta = {n: p.detach() for n, p in trainable_parameters(model).items()}
     zeros = {n: torch.zeros_like(p) for n, p in theta.items()}
     return per_sample_gradient_stats(model, theta, zeros, images, labels, train_loss)[1].cpu().numpy()
 

@@ -31,6 +31,11 @@ from jcsaug.engine.losses import PerSampleLoss, main_output
 from jcsaug.registry import Registry
 
 
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The model's parameters that require gradients, by name: what the hypergradients differentiate."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
 def flat_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Euclidean norm of a set of tensors taken as one vector (float64)."""
     return torch.sqrt(sum((t.double() ** 2).sum() for t in tensors.values()))
@@ -163,7 +168,7 @@ def training_gradient(
 ) -> dict[str, torch.Tensor]:
     """The gradient of the batch's mean training loss with respect to the model's trainable parameters, at their
     present values (zeros for a parameter the loss does not reach)."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    params = trainable_parameters(model)
     loss = loss_fn(main_output(model(image)), label).mean()
     if not torch.isfinite(loss):
         raise FloatingPointError("non-finite training loss")

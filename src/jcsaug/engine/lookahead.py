@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from jcsaug.engine.hypergradient import flat_norm, losses_at, pass_buffers, rewind_randomness
+from jcsaug.engine.hypergradient import flat_norm, losses_at, pass_buffers, rewind_randomness, trainable_parameters
 from jcsaug.engine.losses import PerSampleLoss
 
 Vector = dict[str, torch.Tensor]
@@ -56,7 +56,7 @@ def hessian_vector_products(
     the usual rule for finite-difference Jacobian-vector products, ``sqrt(machine epsilon) * (1 + ||theta||)``
     (float32: 3.5e-4 x (1 + ||theta||)); ``exact=True`` differentiates twice (one forward, one backward with
     graph, one double backward per vector)."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    params = trainable_parameters(model)
     if exact:
         return _exact_products(model, params, image, label, loss_fn, vectors)
     return _finite_difference_products(model, params, image, label, loss_fn, vectors, r)[0]
@@ -165,8 +165,9 @@ class NeumannLookAhead:
         elif not float(flat_norm(self.w)) > 0:  # started from a zero v: nothing for the power iteration to iterate
             self.w = _unit(v)
         vectors = [self.w] + ([self.u] if self.u is not None else [])
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        products, self.gradient = _finite_difference_products(model, params, image, label, loss_fn, vectors)
+        products, self.gradient = _finite_difference_products(
+            model, trainable_parameters(model), image, label, loss_fn, vectors
+        )
         hw = products[0]
         curvature = float(flat_norm(hw))
         if not math.isfinite(curvature):

@@ -24,6 +24,7 @@ from jcsaug.engine.hypergradient import (
     flat_norm,
     get_hypergradient,
     normalise_hypergradient,
+    trainable_parameters,
     training_gradient,
 )
 from jcsaug.engine.lookahead import NeumannLookAhead
@@ -276,7 +277,7 @@ class TRAPolicyUpdater(PolicyUpdater):
 
     def _snapshot(self, engine: Engine) -> None:
         """Keep ``theta`` and the step size of the coming model step (update iterations only)."""
-        self._theta = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        self._theta = {n: p.detach().clone() for n, p in trainable_parameters(self.model).items()}
         self._alpha = float(self.model_optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ the update
@@ -297,7 +298,7 @@ class TRAPolicyUpdater(PolicyUpdater):
 
     def _validation_gradient(self) -> dict[str, torch.Tensor]:
         """``v``: the gradient of the mean validation loss over ``val_batches`` batches, at ``theta*``."""
-        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        params = trainable_parameters(self.model)
         total: list[torch.Tensor] | None = None
         for _ in range(self.val_batches):
             batch = self.val_stream.next()

@@ -96,13 +96,14 @@ class TEAInferer(Inferer):
         if identity_weight is None:
             top = torch.topk(logits, z).indices
             return cls([TEA_OPS[int(i)] for i in top], torch.softmax(logits[top].double(), 0), base_inferer, average)
-        if not 0.0 < float(identity_weight) < 1.0:
+        w = float(identity_weight)
+        if not 0.0 < w < 1.0:
             raise ValueError(f"identity_weight must be in (0, 1) or None, got {identity_weight}")
         if z < 2:
             raise ValueError(f"z must be >= 2 with an identity_weight (the identity and at least one op), got {z}")
         top = torch.topk(logits[1:], z - 1).indices + 1  # op 0 is the identity
-        weights = torch.cat([torch.tensor([float(identity_weight)], dtype=torch.float64),
-                             (1.0 - float(identity_weight)) * torch.softmax(logits[top].double(), 0)])  # fmt: skip
+        others = (1.0 - w) * torch.softmax(logits[top].double(), 0)
+        weights = torch.cat([torch.tensor([w], dtype=torch.float64), others])
         return cls([TEA_OPS[0], *(TEA_OPS[int(i)] for i in top)], weights, base_inferer, average)
 
     def _predict(self, x: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
