@@ -7,11 +7,14 @@
 #
 # Wheels of missing packages (monai, pytorch-ignite, nibabel, fire, termcolor) in .whl/ are installed first.
 # DRY=1 rehearses the same steps on the CPU with tiny settings. END (seconds, default 510) bounds the second part.
+# LQ_ARGS replaces the learning-quality benchmark's modes/seeds/shift (e.g. LQ_ARGS="--modes heuristic+mirror
+# class-specific+joint --seeds 0 1 2 3 4 5" LQ_JOBS=12); TIMINGS=0 skips part 1; PYTEST_WORKERS (default 6).
 set -u
 OUT=${OUT:-gpu_check_out}; mkdir -p "$OUT"
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
-DEV=cuda; LQ_EXTRA=(); PYTEST=(-n 6); LQ_JOBS=9; END=${END:-510}
+DEV=cuda; read -r -a LQ_EXTRA <<< "${LQ_ARGS:-}"; PYTEST=(-n "${PYTEST_WORKERS:-6}"); LQ_JOBS=${LQ_JOBS:-9}
+END=${END:-510}
 if [ "${DRY:-0}" = 1 ]; then
   DEV=cpu; LQ_EXTRA=(--modes heuristic+mirror --seeds 0 --set max_epochs=1 epoch_length=2)
   PYTEST=(tests/test_masked_adam.py); LQ_JOBS=1
@@ -28,17 +31,20 @@ python3 -c "import torch, monai, ignite, jcsaug; print('torch', torch.__version_
 echo "setup done t=$(elapsed)" > "$OUT/timeline.log"
 
 # 1. timings, each alone on the machine
+if [ "${TIMINGS:-1}" = 1 ]; then
 timeout 60 python3 benchmarks/bench_device_cascade.py --device $DEV --repeats 5 > "$OUT/bench_device_cascade.log" 2>&1
 echo "device cascade rc=$? t=$(elapsed)" >> "$OUT/timeline.log"
 timeout 110 python3 benchmarks/bench_policy_learning.py --device $DEV > "$OUT/bench_policy_learning.log" 2>&1
 echo "policy learning rc=$? t=$(elapsed)" >> "$OUT/timeline.log"
+fi
 
 # 2. learning quality beside the test suite (-v: every test's name as it ends, so a cut run still names failures)
 LEFT=$(( END - $(elapsed) ))
 ( timeout $LEFT python3 benchmarks/bench_learning_quality.py --device $DEV --jobs $LQ_JOBS --threads 1 --out /tmp/lq \
     "${LQ_EXTRA[@]}" > "$OUT/bench_learning_quality.log" 2>&1
   echo "learning quality rc=$? t=$(elapsed)" >> "$OUT/timeline.log" ) &
-TIMEOUT=(); python3 -c "import pytest_timeout" 2> /dev/null && TIMEOUT=(--timeout 300)  # one hung test fails alone
+TIMEOUT=(); python3 -c "import pytest_timeout" 2> /dev/null && TIMEOUT=(--timeout 600)  # one hung test fails alone
+# (600: a test of three bundle trainings took 93 s alone on an H100 machine, likely over 300 s beside 12 runs)
 ( timeout $(( LEFT - 20 )) python3 -m pytest -v -rf -p no:cacheprovider "${TIMEOUT[@]}" "${PYTEST[@]}" \
     > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$? t=$(elapsed)" >> "$OUT/timeline.log" ) &
