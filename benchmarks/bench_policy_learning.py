@@ -384,6 +384,7 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TEA gumbel (paper)": (TEAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TEA paired": (TEAPolicyUpdater, {"estimator": "paired"}, 0),
     "TEA paired, 4 patches": (TEAPolicyUpdater, {"estimator": "paired", "patches": 4}, 0),
+    "TEA paired, ensemble score (z = 8)": (TEAPolicyUpdater, {"estimator": "paired", "op_score": "ensemble"}, 0),
 }
 
 

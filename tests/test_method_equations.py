@@ -476,6 +476,73 @@ def test_tea_op_score_with_identity_hard_scores_the_pairs_argmax_segmentation(es
     assert updater.updates == 1
 
 
+@pytest.mark.parametrize("identity_weight", [None, 0.5])
+def test_tea_op_score_ensemble_is_the_first_order_change_of_the_ttas_loss(identity_weight):
+    """``op_score="ensemble"``: the untouched copy scores its own soft Dice loss, and op k scores that loss plus
+    the derivative of the soft Dice loss of the TTA the policy stands for now (``TEAInferer.from_policy`` with the
+    same ``z`` and identity weight) along ``l_k - l_identity`` (the mapped-back logits as a one-op TTA forms them):
+    a central finite difference on the ensemble by hand. The scored ops include a member of the ensemble, a zoom in
+    (another shape) and a rotation."""
+    from jcsaug.engine.tea_updater import soft_dice_loss
+    from jcsaug.inference import TEAInferer
+    from jcsaug.ops.tea import get_tea_op
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.Tanh(), nn.Conv3d(4, 2, 1)).double()
+    label = torch.zeros(1, 16, 16, 16)
+    label[0, 5:11, 4:12, 6:10] = 1
+    image = (label + 0.3 * torch.randn_like(label)).double()
+    policy = CategoricalPolicy([len(TEA_OPS)]).double()
+    names = [op.name for op in TEA_OPS]
+    with torch.no_grad():
+        for name, logit in (("identity", 2.0), ("mirror_sagittal", 1.5), ("scale_down_0.45", 1.0)):
+            policy.logits[0, names.index(name)] = logit
+    updater = TEAPolicyUpdater(policy, net, [], num_copies=3, op_score="ensemble", tta_z=3,
+                               tta_identity_weight=identity_weight)  # fmt: skip
+    scored = [get_tea_op(name) for name in ("scale_down_0.45", "scale_up_0.25", "rotate_frontal_acw_15")]
+    scores = updater._mapped_back_dice(image, label, scored)
+
+    def loss(logits: torch.Tensor) -> float:
+        return float(soft_dice_loss(torch.softmax(logits, 0)[None], label[None])[0])
+
+    with torch.no_grad():
+        identity = TEAInferer([TEA_OPS[0]])(image[None], net)[0].double()
+        ensemble = TEAInferer.from_policy(policy, 3, identity_weight=identity_weight)(image[None], net)[0].double()
+        assert float(scores[0]) == pytest.approx(loss(identity), rel=1e-6)
+        eps = 1e-3
+        for op, score in zip(scored, scores[1:]):
+            direction = TEAInferer([op])(image[None], net)[0].double() - identity
+            change = (loss(ensemble + eps * direction) - loss(ensemble - eps * direction)) / (2 * eps)
+            assert float(score - scores[0]) == pytest.approx(change, rel=1e-3, abs=1e-7), op.name
+    assert updater.resume_settings()["op_score"] == "ensemble"  # a resume must keep it, and the TTA it rates for
+    assert updater.resume_settings()["tta_z"] == 3
+    assert updater.resume_settings()["tta_identity_weight"] == identity_weight
+    for bad, match in (({"tta_z": 0}, "tta_z must be in"), ({"tta_identity_weight": 1.0}, "identity_weight")):
+        with pytest.raises(ValueError, match=match):
+            TEAPolicyUpdater(policy, net, [], op_score="ensemble", **{"tta_z": 3, **bad})
+    assert "tta_z" not in TEAPolicyUpdater(policy, net, [], op_score="with-identity").resume_settings()
+
+
+def test_tea_op_score_ensemble_moves_the_policy_toward_an_op_that_helps_the_ensemble():
+    """On the threshold network a faint foreground is brought closer to the threshold by the +0.05 intensity op and
+    by no other: with the ``ensemble`` score and the paired estimator that op's logit rises above the identity's and
+    the mirror's (which maps back to the untouched prediction, so it scores as the identity)."""
+    ops = [TEA_OPS[0], TEA_OPS[38], TEA_OPS[54]]
+    label = torch.zeros(1, 8, 8, 8)
+    label[0, 4:, 4:, 4:] = 1
+    image = 0.3 + label * 0.17  # 0.47: just under the threshold at 0.5
+    val = [{"image": image[None], "label": label[None]}]
+    policy = CategoricalPolicy([len(ops)]).double()
+    updater = TEAPolicyUpdater(policy, _Threshold(), val, lr=0.1, num_copies=2, ops=ops, seed=0,
+                               estimator="paired", op_score="ensemble", tta_z=2)  # fmt: skip
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run(range(4), max_epochs=1)
+    assert updater.updates == 4
+    logits = policy.logits.detach()[0]
+    assert logits[2] > 0.1 and logits[0] == logits[1] < -0.1, logits
+
+
 def test_hard_dice_loss_counts_a_class_absent_from_label_and_segmentation_as_matched():
     from jcsaug.engine.tea_updater import hard_dice_loss
 
@@ -670,3 +737,11 @@ def test_tea_op_score_reaches_the_post_hoc_learning(monkeypatch):
     policy = setup.test_tea_policy(_Threshold(), [{"image": label.clone(), "label": label}], posthoc_iterations=1,
                                    num_copies=2)  # fmt: skip
     assert policy is setup.tea_policy and seen["op_score"] == "with-identity"
+    # the TTA an ensemble score rates ops for: the run's tea_z and tea_identity_weight, post hoc and in joint mode
+    setup = AugmentationSetup("heuristic", "learned-posthoc", tea_op_score="ensemble", tea_z=3, tea_identity_weight=0.5)
+    setup.test_tea_policy(_Threshold(), [{"image": label.clone(), "label": label}], posthoc_iterations=1,
+                          num_copies=2)  # fmt: skip
+    assert (seen["op_score"], seen["tta_z"], seen["tta_identity_weight"]) == ("ensemble", 3, 0.5)
+    joint = AugmentationSetup("heuristic", "joint", tea_op_score="ensemble", tea_z=5, tea_identity_weight=0.25)
+    tea = joint.updaters(_Threshold(), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), []).tea
+    assert (tea.op_score, tea.tta_z, tea.tta_identity_weight) == ("ensemble", 5, 0.25)

@@ -199,6 +199,9 @@ class AugmentationSetup:
         tea_estimator: ``"gumbel"`` or ``"paired"`` (see :class:`TEAPolicyUpdater`).
         tea_op_score: a name of :data:`jcsaug.engine.tea_updater.TEA_OP_SCORES` (see :class:`TEAPolicyUpdater`'s
             ``op_score``).
+        tea_z, tea_identity_weight: the learned TTA's size and identity weight (as the bundles' test inferers
+            take them), which the TEA op score ``ensemble`` rates ops for (:class:`TEAPolicyUpdater`'s ``tta_z``,
+            ``tta_identity_weight``).
     """
 
     def __init__(
@@ -214,12 +217,15 @@ class AugmentationSetup:
         tea_estimator: str = "gumbel",
         tea_policy_file: str | Path | None = None,
         tea_op_score: str = "alone",
+        tea_z: int = 8,
+        tea_identity_weight: float | None = None,
     ) -> None:
         self.tra, self.tea = get_tra_mode(tra_mode), get_tea_mode(tea_mode)
         self.tra_mode, self.tea_mode = self.tra.name, self.tea.name
         # unknown names: an error listing the valid ones, before anything is built
         self.tra_estimator, self.tea_estimator = TRA_ESTIMATORS.key(tra_estimator), TEA_ESTIMATORS.key(tea_estimator)
         self.tea_op_score = TEA_OP_SCORES.key(tea_op_score)
+        self.tea_z, self.tea_identity_weight = int(tea_z), tea_identity_weight
         self.tra_counterfactuals = int(tra_counterfactuals)
         if self.tra_estimator == "paired" and self.tra.learned and self.tra_counterfactuals < 1:
             raise ValueError(f"tra_counterfactuals={tra_counterfactuals}: the paired TRA estimator needs at least 1")
@@ -309,7 +315,7 @@ class AugmentationSetup:
                 self.tea_policy, model, val_loader if tea_val_loader is None else tea_val_loader, lr=tea_lr,
                 update_every=tea_update_every, num_copies=num_copies, seed=seed, estimator=self.tea_estimator,
                 logit_budget=tea_logit_budget, patches=tea_patches, poly_power=tea_poly_power,
-                op_score=self.tea_op_score,
+                op_score=self.tea_op_score, tta_z=self.tea_z, tta_identity_weight=self.tea_identity_weight,
             )  # fmt: skip
         return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea, tea_tested=self.tea.from_file)
 
@@ -331,7 +337,8 @@ class AugmentationSetup:
                 raise ValueError(f"tea_mode {self.tea_mode!r} needs the trained network and a validation loader")
             learn_tea_posthoc(
                 network, val_loader, posthoc_iterations, posthoc_lr, num_copies, policy=self.tea_policy,
-                seed=seed, estimator=self.tea_estimator, op_score=self.tea_op_score,
+                seed=seed, estimator=self.tea_estimator, op_score=self.tea_op_score, tta_z=self.tea_z,
+                tta_identity_weight=self.tea_identity_weight,
             )  # fmt: skip
             self._posthoc_learned = True
         return self.tea_policy if self.tests_learned_tea else None

@@ -25,12 +25,14 @@ def learn_tea_posthoc(
     progress: bool = True,
     estimator: str = "gumbel",
     op_score: str = "alone",
+    tta_z: int = 8,
+    tta_identity_weight: float | None = None,
 ) -> CategoricalPolicy:
     """Learn the TEA policy from the validation set with the network frozen (no model update).
 
     Runs an Ignite engine whose only work is the :class:`TEAPolicyUpdater` (one update per iteration);
-    the reference code's post-hoc run uses lr 5e-3 for 10 epochs. ``estimator`` and ``op_score`` are the
-    :class:`TEAPolicyUpdater`'s. Returns the learned policy.
+    the reference code's post-hoc run uses lr 5e-3 for 10 epochs. ``estimator``, ``op_score``, ``tta_z`` and
+    ``tta_identity_weight`` are the :class:`TEAPolicyUpdater`'s. Returns the learned policy.
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
@@ -39,8 +41,9 @@ def learn_tea_posthoc(
     frozen = {n: t.detach().clone() for n, t in network.state_dict().items() if isinstance(t, torch.Tensor)}
     engine = Engine(lambda engine, batch: None)  # the model is never updated
     updater = TEAPolicyUpdater(
-        policy, network, val_loader, lr=lr, num_copies=num_copies, seed=seed, estimator=estimator, op_score=op_score
-    )
+        policy, network, val_loader, lr=lr, num_copies=num_copies, seed=seed, estimator=estimator, op_score=op_score,
+        tta_z=tta_z, tta_identity_weight=tta_identity_weight,
+    )  # fmt: skip
     updater.sync_ranks = False  # may run on one rank only (a rank-0 evaluation): no collective all-reduce
     updater.attach(engine)
     if progress:

@@ -14,6 +14,7 @@ from torch import nn
 from jcsaug.engine.base import PolicyUpdater, PrepareBatch, SkipUpdate, ValidationStream, make_prepare_batch
 from jcsaug.engine.losses import main_output
 from jcsaug.engine.paired import OpEffects
+from jcsaug.inference.tta import tta_selection
 from jcsaug.ops.tea import apply_tea_ops, apply_tea_ops_by_shape
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.transforms import centre_class
@@ -38,6 +39,9 @@ TEA_OP_SCORES: Registry[str] = Registry(
         "with-identity": "the op's mapped-back logits averaged with the untouched copy's, as the TTA ensemble uses it",
         "with-identity-hard": "the hard Dice (argmax) of the op's mapped-back logits averaged with the untouched "
         "copy's: the segmentation the TTA's pair of identity and op outputs",
+        "ensemble": "the first-order change of the soft Dice loss of the TTA's current ensemble (the policy's top "
+        "ops, their mapped-back logits weighted as the TTA weights them) when weight moves from the identity to "
+        "the op",
     },
 )
 
@@ -122,6 +126,15 @@ class TEAPolicyUpdater(PolicyUpdater):
             (``benchmarks/README.md``, "A zoom shift"). ``"with-identity-hard"``: the same pair scored by the
             hard Dice of its argmax, the segmentation the TTA outputs (not differentiable, and need not be: both
             estimators use the scores as values), so that an average of logits cannot gain by softening alone.
+            ``"ensemble"``: the op scored by what it adds to the TTA the policy stands for now — the ``tta_z`` ops
+            of highest probability (with ``tta_identity_weight``: the identity at that weight and the top
+            ``tta_z - 1`` others), their mapped-back logits averaged with the TTA's weights into ``l_E``: copy k's
+            score is the untouched copy's loss plus ``g . (l_k - l_0)``, ``g`` the gradient of the soft Dice loss
+            of ``softmax(l_E)`` at ``l_E``, so that a score difference is the first-order change of the
+            ensemble's loss when weight moves from the identity to op k (members and outsiders alike; each
+            update also predicts the ensemble's ops). A research setting.
+        tta_z, tta_identity_weight: the TTA the ``"ensemble"`` score rates ops for (the bundles' ``tea_z`` and
+            ``tea_identity_weight``; see :meth:`jcsaug.inference.TEAInferer.from_policy`); unused by the others.
 
     Example: learn a TEA policy for a frozen network, one update per iteration::
 
@@ -164,6 +177,8 @@ class TEAPolicyUpdater(PolicyUpdater):
         patches: int = 1,
         effect_smoothing: float = 0.1,
         op_score: str = "alone",
+        tta_z: int = 8,
+        tta_identity_weight: float | None = None,
     ) -> None:
         super().__init__(
             policy,
@@ -186,6 +201,10 @@ class TEAPolicyUpdater(PolicyUpdater):
         self._settings.update(estimator=estimator, num_copies=int(num_copies), patches=self.patches)
         if self.op_score != "alone":  # (checkpoints of runs before the setting record none: the default)
             self._settings.update(op_score=self.op_score)
+        self.tta_z = int(tta_z)
+        self.tta_identity_weight = None if tta_identity_weight is None else float(tta_identity_weight)
+        if self.op_score == "ensemble":
+            self._settings.update(tta_z=self.tta_z, tta_identity_weight=self.tta_identity_weight)
         self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
         if ops is None:
             from jcsaug.ops.tea import TEA_OPS
@@ -198,6 +217,10 @@ class TEAPolicyUpdater(PolicyUpdater):
         if estimator == "paired" and num_copies > len(ops) - 1:
             raise ValueError(f"num_copies (Z) must be <= {len(ops) - 1} (the non-identity ops) for 'paired'")
         self.ops = ops
+        if self.op_score == "ensemble":
+            tta_selection(policy.logits.detach()[0], self.tta_z, self.tta_identity_weight)  # bad values: an error now
+            if not 1 <= self.tta_z <= len(ops):
+                raise ValueError(f"tta_z must be in [1, {len(ops)}], got {tta_z}")
         self.num_copies = int(num_copies)
         self.val_stream = ValidationStream(val_loader)
         self.prepare_batch = prepare_batch or make_prepare_batch(image_key, label_key)
@@ -230,6 +253,8 @@ class TEAPolicyUpdater(PolicyUpdater):
         (``"alone-logits"``, as :class:`jcsaug.inference.TEAInferer` forms it), or the average of its mapped-back
         logits and the untouched copy's (``"with-identity"``); with ``"with-identity-hard"`` one minus the hard Dice
         of that average's argmax (the untouched copy's own logits for the untouched one)."""
+        if self.op_score == "ensemble":
+            return self._ensemble_scores(image, label, ops)
         logits = self.op_score != "alone"
         was_training = self.model.training
         self.model.eval()
@@ -247,6 +272,37 @@ class TEAPolicyUpdater(PolicyUpdater):
             return hard_dice_loss(mapped, labels).double().cpu()
         probs = torch.softmax(mapped, dim=1) if logits else mapped
         return soft_dice_loss(probs, labels).double().cpu()
+
+    def _ensemble_scores(self, image: torch.Tensor, label: torch.Tensor, ops: Sequence) -> torch.Tensor:
+        """``op_score="ensemble"``: ``[1 + len(ops)]`` the untouched copy's soft Dice loss and, per op, that loss
+        plus ``g . (l_op - l_identity)`` (see the class docstring); every op is predicted once."""
+        indices, weights = tta_selection(self.policy.logits.detach()[0], self.tta_z, self.tta_identity_weight)
+        members = [self.ops[i] for i in indices]
+        identity = self.ops[0]
+        predicted: list = []  # the ops to predict, each once (the identity is the untouched copy)
+        for op in [*ops, *members]:
+            if op is not identity and not any(op is seen for seen in predicted):
+                predicted.append(op)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                copies = apply_tea_ops(predicted, image.expand(len(predicted), *image.shape), "image")
+                preds = predict_by_shape(self.model, [image, *copies], logits=True)
+        finally:
+            self.model.train(was_training)
+        mapped = [preds[0].double(), *(m.double() for m in apply_tea_ops_by_shape(predicted, preds[1:], "invert"))]
+
+        def logits_of(op) -> torch.Tensor:
+            return mapped[0] if op is identity else mapped[1 + next(i for i, p in enumerate(predicted) if p is op)]
+
+        ensemble = sum(w * logits_of(op) for op, w in zip(members, weights.tolist())).detach().requires_grad_()
+        with torch.enable_grad():
+            loss = soft_dice_loss(torch.softmax(ensemble, dim=0)[None], label[None])[0]
+            (g,) = torch.autograd.grad(loss, ensemble)
+        untouched = soft_dice_loss(torch.softmax(mapped[0], dim=0)[None], label[None])[0]
+        changes = [(g * (logits_of(op) - mapped[0])).sum() for op in ops]
+        return torch.stack([untouched, *(untouched + c for c in changes)]).detach().double().cpu()
 
     def _paired_update(self, engine: Engine) -> None:
         measured_ops, effects, untouched, augmented = [], [], [], []

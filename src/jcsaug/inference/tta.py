@@ -28,6 +28,28 @@ from jcsaug.registry import Registry
 Average = Literal["logits", "probabilities"]
 
 
+def tta_selection(
+    logits: torch.Tensor, z: int = 8, identity_weight: float | None = None
+) -> tuple[list[int], torch.Tensor]:
+    """The ops a learned TTA uses and their weights, from a TEA policy's ``[N]`` logits (op 0: the identity):
+    ``(indices, float64 weights summing to 1)``.
+
+    The ``z`` ops of highest probability weighted by the softmax of their logits (the paper's); with an
+    ``identity_weight`` w in (0, 1), the identity at w and the ``z - 1`` other ops of highest probability sharing
+    1 - w by the softmax of their logits (see :meth:`TEAInferer.from_policy`)."""
+    if identity_weight is None:
+        top = torch.topk(logits, z).indices
+        return [int(i) for i in top], torch.softmax(logits[top].double(), 0)
+    w = float(identity_weight)
+    if not 0.0 < w < 1.0:
+        raise ValueError(f"identity_weight must be in (0, 1) or None, got {identity_weight}")
+    if z < 2:
+        raise ValueError(f"z must be >= 2 with an identity_weight (the identity and at least one op), got {z}")
+    top = torch.topk(logits[1:], z - 1).indices + 1  # op 0 is the identity
+    others = (1.0 - w) * torch.softmax(logits[top].double(), 0)
+    return [0, *(int(i) for i in top)], torch.cat([torch.tensor([w], dtype=torch.float64), others])
+
+
 class TEAInferer(Inferer):
     """Average the predictions of ``ops``-transformed copies, mapped back, with ``weights``.
 
@@ -92,19 +114,8 @@ class TEAInferer(Inferer):
             )
         if not 1 <= z <= len(TEA_OPS):
             raise ValueError(f"z must be in [1, {len(TEA_OPS)}], got {z}")
-        logits = policy.logits.detach()[0]
-        if identity_weight is None:
-            top = torch.topk(logits, z).indices
-            return cls([TEA_OPS[int(i)] for i in top], torch.softmax(logits[top].double(), 0), base_inferer, average)
-        w = float(identity_weight)
-        if not 0.0 < w < 1.0:
-            raise ValueError(f"identity_weight must be in (0, 1) or None, got {identity_weight}")
-        if z < 2:
-            raise ValueError(f"z must be >= 2 with an identity_weight (the identity and at least one op), got {z}")
-        top = torch.topk(logits[1:], z - 1).indices + 1  # op 0 is the identity
-        others = (1.0 - w) * torch.softmax(logits[top].double(), 0)
-        weights = torch.cat([torch.tensor([w], dtype=torch.float64), others])
-        return cls([TEA_OPS[0], *(TEA_OPS[int(i)] for i in top)], weights, base_inferer, average)
+        indices, weights = tta_selection(policy.logits.detach()[0], z, identity_weight)
+        return cls([TEA_OPS[i] for i in indices], weights, base_inferer, average)
 
     def _predict(self, x: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
         out = self.base_inferer(x, network, *args, **kwargs)
