@@ -517,7 +517,8 @@ def test_tea_op_score_ensemble_is_the_first_order_change_of_the_ttas_loss(identi
     assert updater.resume_settings()["op_score"] == "ensemble"  # a resume must keep it, and the TTA it rates for
     assert updater.resume_settings()["tta_z"] == 3
     assert updater.resume_settings()["tta_identity_weight"] == identity_weight
-    for bad, match in (({"tta_z": 0}, "tta_z must be in"), ({"tta_identity_weight": 1.0}, "identity_weight")):
+    for bad, match in (({"tta_z": 0}, "tta_z must be in"), ({"tta_z": 85}, r"tta_z must be in \[1, 84\]"),
+                       ({"tta_identity_weight": 1.0}, "identity_weight")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             TEAPolicyUpdater(policy, net, [], op_score="ensemble", **{"tta_z": 3, **bad})
     assert "tta_z" not in TEAPolicyUpdater(policy, net, [], op_score="with-identity").resume_settings()

@@ -218,9 +218,9 @@ class TEAPolicyUpdater(PolicyUpdater):
             raise ValueError(f"num_copies (Z) must be <= {len(ops) - 1} (the non-identity ops) for 'paired'")
         self.ops = ops
         if self.op_score == "ensemble":
-            tta_selection(policy.logits.detach()[0], self.tta_z, self.tta_identity_weight)  # bad values: an error now
             if not 1 <= self.tta_z <= len(ops):
                 raise ValueError(f"tta_z must be in [1, {len(ops)}], got {tta_z}")
+            tta_selection(policy.logits.detach()[0], self.tta_z, self.tta_identity_weight)  # bad values: an error now
         self.num_copies = int(num_copies)
         self.val_stream = ValidationStream(val_loader)
         self.prepare_batch = prepare_batch or make_prepare_batch(image_key, label_key)
