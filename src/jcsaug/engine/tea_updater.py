@@ -256,15 +256,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         if self.op_score == "ensemble":
             return self._ensemble_scores(image, label, ops)
         logits = self.op_score != "alone"
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                copies = apply_tea_ops(ops, image.expand(len(ops), *image.shape), "image")  # one batched call
-                preds = predict_by_shape(self.model, [image, *copies], logits=logits)
-        finally:
-            self.model.train(was_training)
-        mapped = torch.stack([preds[0], *apply_tea_ops_by_shape(ops, preds[1:], "invert")])
+        mapped = torch.stack(self._mapped_back_predictions(image, ops, logits))
         if self.op_score.startswith("with-identity"):  # the TTA's ensemble of the identity and the op: logits averaged
             mapped = torch.cat([mapped[:1], (mapped[:1] + mapped[1:]) / 2])
         labels = label.unsqueeze(0).expand(len(mapped), *label.shape)
@@ -273,35 +265,36 @@ class TEAPolicyUpdater(PolicyUpdater):
         probs = torch.softmax(mapped, dim=1) if logits else mapped
         return soft_dice_loss(probs, labels).double().cpu()
 
+    def _mapped_back_predictions(self, image: torch.Tensor, ops: Sequence, logits: bool) -> list[torch.Tensor]:
+        """The network's predictions (softmax, or ``logits``) of the untouched patch and of each op's copy mapped
+        back by its inverse, ``[C, ...]`` each; the network in eval mode without gradients, its mode restored."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                copies = apply_tea_ops(ops, image.expand(len(ops), *image.shape), "image")  # one batched call
+                preds = predict_by_shape(self.model, [image, *copies], logits=logits)
+        finally:
+            self.model.train(was_training)
+        return [preds[0], *apply_tea_ops_by_shape(ops, preds[1:], "invert")]
+
     def _ensemble_scores(self, image: torch.Tensor, label: torch.Tensor, ops: Sequence) -> torch.Tensor:
         """``op_score="ensemble"``: ``[1 + len(ops)]`` the untouched copy's soft Dice loss and, per op, that loss
         plus ``g . (l_op - l_identity)`` (see the class docstring); every op is predicted once."""
         indices, weights = tta_selection(self.policy.logits.detach()[0], self.tta_z, self.tta_identity_weight)
         members = [self.ops[i] for i in indices]
         identity = self.ops[0]
-        predicted: list = []  # the ops to predict, each once (the identity is the untouched copy)
-        for op in [*ops, *members]:
-            if op is not identity and not any(op is seen for seen in predicted):
-                predicted.append(op)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                copies = apply_tea_ops(predicted, image.expand(len(predicted), *image.shape), "image")
-                preds = predict_by_shape(self.model, [image, *copies], logits=True)
-        finally:
-            self.model.train(was_training)
-        mapped = [preds[0].double(), *(m.double() for m in apply_tea_ops_by_shape(predicted, preds[1:], "invert"))]
+        # the ops to predict, each once (by identity of the op object; the identity is the untouched copy)
+        predicted = list({id(op): op for op in [*ops, *members] if op is not identity}.values())
+        mapped = [m.double() for m in self._mapped_back_predictions(image, predicted, logits=True)]
+        logits_of = {id(op): m for op, m in zip([identity, *predicted], mapped)}
 
-        def logits_of(op) -> torch.Tensor:
-            return mapped[0] if op is identity else mapped[1 + next(i for i, p in enumerate(predicted) if p is op)]
-
-        ensemble = sum(w * logits_of(op) for op, w in zip(members, weights.tolist())).detach().requires_grad_()
+        ensemble = sum(w * logits_of[id(op)] for op, w in zip(members, weights.tolist())).detach().requires_grad_()
         with torch.enable_grad():
             loss = soft_dice_loss(torch.softmax(ensemble, dim=0)[None], label[None])[0]
             (g,) = torch.autograd.grad(loss, ensemble)
         untouched = soft_dice_loss(torch.softmax(mapped[0], dim=0)[None], label[None])[0]
-        changes = [(g * (logits_of(op) - mapped[0])).sum() for op in ops]
+        changes = [(g * (logits_of[id(op)] - mapped[0])).sum() for op in ops]
         return torch.stack([untouched, *(untouched + c for c in changes)]).detach().double().cpu()
 
     def _paired_update(self, engine: Engine) -> None:
