@@ -322,6 +322,21 @@ def test_the_tea_scores_its_ops_on_patches_of_tea_patch_size(monkeypatch, tmp_pa
     assert tea_loader.dataset.data is val_loader.dataset.data  # the validation volumes are loaded and cached once
 
 
+@pytest.mark.parametrize("tea_sliding_window", [None, "false", "true"])
+def test_tea_sliding_window_predicts_the_teas_copies_with_the_test_inferer(monkeypatch, tmp_path, dataset,
+                                                                         tea_sliding_window):  # fmt: skip
+    """``tea_sliding_window`` (a flag: fire passes ``--tea_sliding_window false`` as the string) gives the TEA updater
+    the sliding-window inferer the test predicts with, so its ops are scored as the TTA will use them; off by
+    default (one pass of the network over each validation patch)."""
+    overrides = {} if tea_sliding_window is None else {"tea_sliding_window": tea_sliding_window}
+    parser = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser
+    tea = parser.get_parsed_content("policy_updaters").tea
+    if tea_sliding_window == "true":
+        assert tea.inferer is parser.get_parsed_content("sw_inferer") and tea.inferer is not None
+    else:
+        assert tea.inferer is None
+
+
 @pytest.mark.parametrize("tea_poly_power", [None, 0.9, 2.0])
 def test_tea_poly_power_reaches_the_tea_updater_only(monkeypatch, tmp_path, dataset, tea_poly_power):
     """The TEA's gamma is constant by default (issue 10: measured); an override reaches the TEA updater only."""

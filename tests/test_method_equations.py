@@ -420,6 +420,57 @@ def test_tea_op_scores_alone_map_back_probabilities_or_logits(op_name):
     assert scored["alone"][0] == scored["alone-logits"][0]  # the untouched copy is scored alike
 
 
+class _BorderSensitive(nn.Module):
+    """Two zero-padded 3x3x3 convolutions: a window's prediction near its border differs from a whole pass's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.Tanh(), nn.Conv3d(4, 2, 3, padding=1)).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("score", ["alone", "alone-logits"])
+def test_tea_ops_scored_with_an_inferer_are_predicted_as_the_tta_predicts(score):
+    """``inferer``: each copy is predicted by it, e.g. the sliding window the test uses on a volume larger than the
+    training patches, so that an op is scored on the prediction the TTA averages (``TEAInferer`` on that base);
+    without it, one pass of the network, which differs at the windows' borders."""
+    from monai.inferers import SlidingWindowInferer
+
+    from jcsaug.engine.tea_updater import soft_dice_loss
+    from jcsaug.inference import TEAInferer
+    from jcsaug.ops.tea import get_tea_op
+
+    net = _BorderSensitive().eval()
+    label = torch.zeros(1, 20, 20, 20)
+    label[0, 6:14, 5:15, 7:13] = 1
+    torch.manual_seed(0)
+    image = (label + 0.3 * torch.randn_like(label)).double()
+    window = SlidingWindowInferer(roi_size=(12, 12, 12), sw_batch_size=4, overlap=0.25, mode="gaussian")
+    ops = [get_tea_op(name) for name in ("scale_down_0.25", "rotate_frontal_acw_15", "gamma_compress_0.5")]
+    policy = CategoricalPolicy([len(TEA_OPS)]).double()
+
+    def scored(inferer):
+        updater = TEAPolicyUpdater(policy, net, [], num_copies=1, op_score=score, inferer=inferer)
+        return updater._mapped_back_dice(image, label, ops)
+
+    with torch.no_grad():
+        expected = [soft_dice_loss(torch.softmax(window(image[None], net), 1), label[None])]
+        for op in ops:
+            if score == "alone-logits":  # exactly the TTA's one-op prediction
+                probs = torch.softmax(TEAInferer([op], base_inferer=window)(image[None], net), 1)
+            else:  # the probabilities of the op's copy, predicted by the window, mapped back
+                probs = op.invert(torch.softmax(window(op.transform_image(image[None]), net), 1))
+            expected.append(soft_dice_loss(probs, label[None]))
+    by_window = scored(window)
+    torch.testing.assert_close(by_window, torch.cat(expected).double(), rtol=1e-5, atol=1e-7)
+    assert (by_window - scored(None)).abs().max() > 1e-3  # one whole pass scores the ops otherwise
+    assert scored(None).tolist() == TEAPolicyUpdater(policy, net, [], num_copies=1, op_score=score)._mapped_back_dice(
+        image, label, ops).tolist()  # fmt: skip
+
+
 @pytest.mark.parametrize("estimator", ["gumbel", "paired"])
 def test_tea_op_score_with_identity_scores_each_op_in_the_ttas_pair(estimator):
     """``op_score="with-identity"``: a copy is scored by the soft Dice loss of its mapped-back *logits* averaged
@@ -746,3 +797,16 @@ def test_tea_op_score_reaches_the_post_hoc_learning(monkeypatch):
     joint = AugmentationSetup("heuristic", "joint", tea_op_score="ensemble", tea_z=5, tea_identity_weight=0.25)
     tea = joint.updaters(_Threshold(), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), []).tea
     assert (tea.op_score, tea.tta_z, tea.tta_identity_weight) == ("ensemble", 5, 0.25)
+    # how the copies are predicted (the bundles' tea_sliding_window): post hoc and in joint mode, recorded for a resume
+    from monai.inferers import SimpleInferer
+
+    window = SimpleInferer()
+    setup = AugmentationSetup("heuristic", "learned-posthoc")
+    setup.test_tea_policy(_Threshold(), [{"image": label.clone(), "label": label}], posthoc_iterations=1, num_copies=2,
+                          inferer=window)  # fmt: skip
+    assert seen["inferer"] is window
+    tea = joint.updaters(_Threshold(), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), [],
+                         tea_inferer=window).tea  # fmt: skip
+    assert tea.inferer is window and tea.resume_settings()["inferer"] == "SimpleInferer"
+    plain = joint.updaters(_Threshold(), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), []).tea
+    assert plain.inferer is None and "inferer" not in plain.resume_settings()  # runs before the setting: the same

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from ignite.engine import Engine
+from monai.inferers import Inferer
 from torch import nn
 
 from jcsaug.engine.posthoc import learn_tea_posthoc
@@ -289,6 +290,7 @@ class AugmentationSetup:
         tea_val_loader: Iterable | None = None,
         tea_poly_power: float = 0.9,
         tra_direction: str = "validation",
+        tea_inferer: Inferer | None = None,
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
 
@@ -300,7 +302,9 @@ class AugmentationSetup:
         training patches (whole volumes where they fit) score the ops closer to how they act at test time, on the
         whole image: an intensity op rescales by the image's range, a spatial op has fewer patch borders.
         ``tea_poly_power``: the TEA updater's ``poly_power`` (0: a constant gamma, so the last updates, made with the
-        network the policy is tested with, move the logits as much as the first)."""
+        network the policy is tested with, move the logits as much as the first). ``tea_inferer``: how the TEA
+        updater predicts its copies (``None``: one pass of the network; the test's ``SlidingWindowInferer``: as
+        the TTA predicts, for patches larger than the training patches)."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(
@@ -316,6 +320,7 @@ class AugmentationSetup:
                 update_every=tea_update_every, num_copies=num_copies, seed=seed, estimator=self.tea_estimator,
                 logit_budget=tea_logit_budget, patches=tea_patches, poly_power=tea_poly_power,
                 op_score=self.tea_op_score, tta_z=self.tea_z, tta_identity_weight=self.tea_identity_weight,
+                inferer=tea_inferer,
             )  # fmt: skip
         return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea, tea_tested=self.tea.from_file)
 
@@ -327,10 +332,12 @@ class AugmentationSetup:
         posthoc_lr: float = 5e-3,
         num_copies: int = 10,
         seed: int = 0,
+        inferer: Inferer | None = None,
     ) -> CategoricalPolicy | None:
         """Step 3: the TEA policy the run is tested with, or ``None`` if its TEA mode tests no learned policy.
 
-        ``learned-posthoc`` learns it here, once, on the frozen trained ``network`` from ``val_loader``.
+        ``learned-posthoc`` learns it here, once, on the frozen trained ``network`` from ``val_loader``, its copies
+        predicted by ``inferer`` (see :meth:`updaters`' ``tea_inferer``).
         """
         if self.tea.posthoc and not self._posthoc_learned:
             if network is None or val_loader is None:
@@ -338,7 +345,7 @@ class AugmentationSetup:
             learn_tea_posthoc(
                 network, val_loader, posthoc_iterations, posthoc_lr, num_copies, policy=self.tea_policy,
                 seed=seed, estimator=self.tea_estimator, op_score=self.tea_op_score, tta_z=self.tea_z,
-                tta_identity_weight=self.tea_identity_weight,
+                tta_identity_weight=self.tea_identity_weight, inferer=inferer,
             )  # fmt: skip
             self._posthoc_learned = True
         return self.tea_policy if self.tests_learned_tea else None

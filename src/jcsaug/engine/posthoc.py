@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from ignite.engine import Engine
 from ignite.handlers import ProgressBar
+from monai.inferers import Inferer
 from torch import nn
 
 from jcsaug.engine.tea_updater import TEAPolicyUpdater
@@ -27,12 +28,13 @@ def learn_tea_posthoc(
     op_score: str = "alone",
     tta_z: int = 8,
     tta_identity_weight: float | None = None,
+    inferer: Inferer | None = None,
 ) -> CategoricalPolicy:
     """Learn the TEA policy from the validation set with the network frozen (no model update).
 
     Runs an Ignite engine whose only work is the :class:`TEAPolicyUpdater` (one update per iteration);
-    the reference code's post-hoc run uses lr 5e-3 for 10 epochs. ``estimator``, ``op_score``, ``tta_z`` and
-    ``tta_identity_weight`` are the :class:`TEAPolicyUpdater`'s. Returns the learned policy.
+    the reference code's post-hoc run uses lr 5e-3 for 10 epochs. ``estimator``, ``op_score``, ``tta_z``,
+    ``tta_identity_weight`` and ``inferer`` are the :class:`TEAPolicyUpdater`'s. Returns the learned policy.
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
@@ -42,7 +44,7 @@ def learn_tea_posthoc(
     engine = Engine(lambda engine, batch: None)  # the model is never updated
     updater = TEAPolicyUpdater(
         policy, network, val_loader, lr=lr, num_copies=num_copies, seed=seed, estimator=estimator, op_score=op_score,
-        tta_z=tta_z, tta_identity_weight=tta_identity_weight,
+        tta_z=tta_z, tta_identity_weight=tta_identity_weight, inferer=inferer,
     )  # fmt: skip
     updater.sync_ranks = False  # may run on one rank only (a rank-0 evaluation): no collective all-reduce
     updater.attach(engine)

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from ignite.engine import Engine
+from monai.inferers import Inferer
 from monai.losses import DiceLoss
 from monai.metrics import compute_dice
 from monai.networks.utils import one_hot
@@ -63,15 +64,19 @@ def hard_dice_loss(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return 1.0 - compute_dice(pred, truth, include_background=False, ignore_empty=False).mean(1)
 
 
-def predict_by_shape(model: nn.Module, images: Sequence[torch.Tensor], logits: bool = False) -> list[torch.Tensor]:
+def predict_by_shape(
+    model: nn.Module, images: Sequence[torch.Tensor], logits: bool = False, inferer: Inferer | None = None
+) -> list[torch.Tensor]:
     """Softmax predictions (``logits``: the logits) of single images ``[C, ...]``; images of equal shape go through
-    together."""
+    together, by ``inferer(batch, model)`` when one is given (e.g. MONAI's ``SlidingWindowInferer``), else in one
+    pass of ``model``."""
     out: list[torch.Tensor | None] = [None] * len(images)
     by_shape: dict[tuple, list[int]] = {}
     for i, x in enumerate(images):
         by_shape.setdefault(tuple(x.shape), []).append(i)
     for idx in by_shape.values():
-        pred = main_output(model(torch.stack([images[i] for i in idx]))).float()
+        batch = torch.stack([images[i] for i in idx])
+        pred = main_output(model(batch) if inferer is None else inferer(batch, model)).float()
         pred = pred if logits else torch.softmax(pred, dim=1)
         for j, i in enumerate(idx):
             out[i] = pred[j]
@@ -135,6 +140,12 @@ class TEAPolicyUpdater(PolicyUpdater):
             update also predicts the ensemble's ops). A research setting.
         tta_z, tta_identity_weight: the TTA the ``"ensemble"`` score rates ops for (the bundles' ``tea_z`` and
             ``tea_identity_weight``; see :meth:`jcsaug.inference.TEAInferer.from_policy`); unused by the others.
+        inferer: how each copy is predicted: ``None``, one pass of the network over the patch; a MONAI inferer
+            (``inferer(batch, model)``), e.g. the ``SlidingWindowInferer`` the test predicts with, so that the ops
+            are scored on the predictions the TTA will average when the patch is larger than the training patches
+            (a whole volume). A research setting (the synthetic bundle's ``tea_sliding_window``): on a zoom shift's
+            final networks it rates the zoom-outs as the test does, but in joint runs it did not raise the TTA's
+            Dice (``benchmarks/README.md``).
 
     Example: learn a TEA policy for a frozen network, one update per iteration::
 
@@ -179,6 +190,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         op_score: str = "alone",
         tta_z: int = 8,
         tta_identity_weight: float | None = None,
+        inferer: Inferer | None = None,
     ) -> None:
         super().__init__(
             policy,
@@ -205,6 +217,9 @@ class TEAPolicyUpdater(PolicyUpdater):
         self.tta_identity_weight = None if tta_identity_weight is None else float(tta_identity_weight)
         if self.op_score == "ensemble":
             self._settings.update(tta_z=self.tta_z, tta_identity_weight=self.tta_identity_weight)
+        self.inferer = inferer
+        if inferer is not None:  # (checkpoints of runs before the setting record none: one pass)
+            self._settings.update(inferer=type(inferer).__name__)
         self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
         if ops is None:
             from jcsaug.ops.tea import TEA_OPS
@@ -273,7 +288,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         try:
             with torch.no_grad():
                 copies = apply_tea_ops(ops, image.expand(len(ops), *image.shape), "image")  # one batched call
-                preds = predict_by_shape(self.model, [image, *copies], logits=logits)
+                preds = predict_by_shape(self.model, [image, *copies], logits=logits, inferer=self.inferer)
         finally:
             self.model.train(was_training)
         return [preds[0], *apply_tea_ops_by_shape(ops, preds[1:], "invert")]
