@@ -232,10 +232,8 @@ class TEAPolicyUpdater(PolicyUpdater):
         if estimator == "paired" and num_copies > len(ops) - 1:
             raise ValueError(f"num_copies (Z) must be <= {len(ops) - 1} (the non-identity ops) for 'paired'")
         self.ops = ops
-        if self.op_score == "ensemble":
-            if not 1 <= self.tta_z <= len(ops):
-                raise ValueError(f"tta_z must be in [1, {len(ops)}], got {tta_z}")
-            tta_selection(policy.logits.detach()[0], self.tta_z, self.tta_identity_weight)  # bad values: an error now
+        if self.op_score == "ensemble":  # bad values: an error now, naming the setting
+            tta_selection(policy.logits.detach()[0], self.tta_z, self.tta_identity_weight, name="tta_z")
         self.num_copies = int(num_copies)
         self.val_stream = ValidationStream(val_loader)
         self.prepare_batch = prepare_batch or make_prepare_batch(image_key, label_key)
@@ -296,7 +294,7 @@ class TEAPolicyUpdater(PolicyUpdater):
     def _ensemble_scores(self, image: torch.Tensor, label: torch.Tensor, ops: Sequence) -> torch.Tensor:
         """``op_score="ensemble"``: ``[1 + len(ops)]`` the untouched copy's soft Dice loss and, per op, that loss
         plus ``g . (l_op - l_identity)`` (see the class docstring); every op is predicted once."""
-        indices, weights = tta_selection(self.policy.logits.detach()[0], self.tta_z, self.tta_identity_weight)
+        indices, weights = tta_selection(self.policy.logits.detach()[0], self.tta_z, self.tta_identity_weight, "tta_z")
         members = [self.ops[i] for i in indices]
         identity = self.ops[0]
         # the ops to predict, each once (by identity of the op object; the identity is the untouched copy)

@@ -29,14 +29,17 @@ Average = Literal["logits", "probabilities"]
 
 
 def tta_selection(
-    logits: torch.Tensor, z: int = 8, identity_weight: float | None = None
+    logits: torch.Tensor, z: int = 8, identity_weight: float | None = None, name: str = "z"
 ) -> tuple[list[int], torch.Tensor]:
     """The ops a learned TTA uses and their weights, from a TEA policy's ``[N]`` logits (op 0: the identity):
     ``(indices, float64 weights summing to 1)``.
 
     The ``z`` ops of highest probability weighted by the softmax of their logits (the paper's); with an
     ``identity_weight`` w in (0, 1), the identity at w and the ``z - 1`` other ops of highest probability sharing
-    1 - w by the softmax of their logits (see :meth:`TEAInferer.from_policy`)."""
+    1 - w by the softmax of their logits (see :meth:`TEAInferer.from_policy`). A ``z`` outside ``[1, N]`` is an error
+    naming it as ``name`` (the caller's setting)."""
+    if not 1 <= z <= len(logits):
+        raise ValueError(f"{name} must be in [1, {len(logits)}], got {z}")
     if identity_weight is None:
         top = torch.topk(logits, z).indices
         return [int(i) for i in top], torch.softmax(logits[top].double(), 0)
@@ -44,7 +47,7 @@ def tta_selection(
     if not 0.0 < w < 1.0:
         raise ValueError(f"identity_weight must be in (0, 1) or None, got {identity_weight}")
     if z < 2:
-        raise ValueError(f"z must be >= 2 with an identity_weight (the identity and at least one op), got {z}")
+        raise ValueError(f"{name} must be >= 2 with an identity_weight (the identity and at least one op), got {z}")
     top = torch.topk(logits[1:], z - 1).indices + 1  # op 0 is the identity
     others = (1.0 - w) * torch.softmax(logits[top].double(), 0)
     return [0, *(int(i) for i in top)], torch.cat([torch.tensor([w], dtype=torch.float64), others])
@@ -112,8 +115,6 @@ class TEAInferer(Inferer):
             raise ValueError(
                 f"not a TEA policy: expected one series of {len(TEA_OPS)} ops, got sizes {list(policy.series_sizes)}"
             )
-        if not 1 <= z <= len(TEA_OPS):
-            raise ValueError(f"z must be in [1, {len(TEA_OPS)}], got {z}")
         indices, weights = tta_selection(policy.logits.detach()[0], z, identity_weight)
         return cls([TEA_OPS[i] for i in indices], weights, base_inferer, average)
 
