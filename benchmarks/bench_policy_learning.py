@@ -393,6 +393,15 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
         {"estimator": "paired", "inferer": SlidingWindowInferer(24, sw_batch_size=8, overlap=0.25, mode="gaussian")},
         0,
     ),
+    "TEA paired, alone-hard score, copies by a sliding window of 24³": (
+        TEAPolicyUpdater,
+        {
+            "estimator": "paired",
+            "op_score": "alone-hard",
+            "inferer": SlidingWindowInferer(24, sw_batch_size=8, overlap=0.25, mode="gaussian"),
+        },
+        0,
+    ),
 }
 
 

@@ -527,6 +527,39 @@ def test_tea_op_score_with_identity_hard_scores_the_pairs_argmax_segmentation(es
     assert updater.updates == 1
 
 
+@pytest.mark.parametrize("estimator", ["gumbel", "paired"])
+def test_tea_op_score_alone_hard_scores_the_ops_own_argmax_segmentation(estimator):
+    """``op_score="alone-hard"``: a copy is scored by one minus the hard Dice of the argmax of its own mapped-back
+    logits (a one-op TTA's segmentation). Foreground at 0.6 (found) and a faint half at 0.46 or 0.40 (missed by the
+    untouched copy): +0.05 lifts 0.46 over the threshold (found: loss 0; the pair with the identity would still miss
+    it) and 0.40 not (loss unchanged, where the op's soft Dice loss differs from the untouched copy's: a change of
+    the logits that leaves the segmentation as it was scores nothing)."""
+    ops = [TEA_OPS[0], TEA_OPS[38], TEA_OPS[54]]
+    label = torch.zeros(1, 8, 8, 8)
+    label[0, 4:, 4:, 4:] = 1  # 64 voxels: 32 at 0.6 and 32 at the faint value
+    policy = CategoricalPolicy([len(ops)]).double()
+    half = 1 - 2 * 32 / (32 + 64)  # the untouched copy finds 32 of 64 voxels, no false positive
+    for faint, op_finds_it in ((0.46, True), (0.40, False)):
+        image = 0.3 + label * 0.3
+        image[0, 4:6, 4:, 4:] = faint
+        val = [{"image": image[None], "label": label[None]}]
+        updater = TEAPolicyUpdater(policy, _Threshold(), val, lr=0.1, num_copies=2, ops=ops, seed=0,
+                                   estimator=estimator, op_score="alone-hard")  # fmt: skip
+        losses = updater._mapped_back_dice(image, label, [ops[1], ops[2]]).numpy()
+        np.testing.assert_allclose(losses, [half, half, 0.0 if op_finds_it else half], atol=1e-7)
+        soft = TEAPolicyUpdater(policy, _Threshold(), val, ops=ops, op_score="alone-logits")
+        soft_losses = soft._mapped_back_dice(image, label, [ops[1], ops[2]]).numpy()
+        assert abs(soft_losses[2] - soft_losses[0]) > 1e-3  # the soft score rates the op either way
+    pair = TEAPolicyUpdater(policy, _Threshold(), val, ops=ops, op_score="with-identity-hard")
+    image[0, 4:6, 4:, 4:] = 0.46
+    assert pair._mapped_back_dice(image, label, [ops[2]]).tolist() == pytest.approx([half, half])  # not the pair's
+    assert updater.resume_settings()["op_score"] == "alone-hard"
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run([0], max_epochs=1)
+    assert updater.updates == 1
+
+
 @pytest.mark.parametrize("identity_weight", [None, 0.5])
 def test_tea_op_score_ensemble_is_the_first_order_change_of_the_ttas_loss(identity_weight):
     """``op_score="ensemble"``: the untouched copy scores its own soft Dice loss, and op k scores that loss plus

@@ -37,6 +37,8 @@ TEA_OP_SCORES: Registry[str] = Registry(
         "alone": "the op's mapped-back prediction on its own (the paper's), its softmax probabilities mapped back",
         "alone-logits": "the op's mapped-back prediction on its own, its logits mapped back (as the TTA and the "
         "reference code map them) and then softmax",
+        "alone-hard": "the hard Dice (argmax) of the op's mapped-back logits on its own: the segmentation a TTA of "
+        "that op alone outputs",
         "with-identity": "the op's mapped-back logits averaged with the untouched copy's, as the TTA ensemble uses it",
         "with-identity-hard": "the hard Dice (argmax) of the op's mapped-back logits averaged with the untouched "
         "copy's: the segmentation the TTA's pair of identity and op outputs",
@@ -123,9 +125,12 @@ class TEAPolicyUpdater(PolicyUpdater):
             the softmax, as the TTA and the reference code map them back; a research setting: an interpolating
             inverse no longer blurs the lesion border of a zoom out's prediction, so zoom outs score higher, but
             zoom ins too, and the TEA learned alone on the default synthetic shift lost about 6 TTA Dice,
-            ``benchmarks/README.md``) or ``"with-identity"`` (its mapped-back logits averaged with the untouched
-            copy's, as the TTA ensemble
-            averages them beside the identity: an op that helps the ensemble without being better alone, e.g. a
+            ``benchmarks/README.md``), ``"alone-hard"`` (the same mapped-back logits scored by the hard Dice of their
+            argmax, the segmentation a one-op TTA outputs, so that a softer prediction gains nothing; a research
+            setting: with the sliding window ``inferer`` it finds zoom-outs on a zoom shift, but joint runs gained
+            little there and lost a little on the default shift, ``benchmarks/README.md``) or ``"with-identity"``
+            (its mapped-back logits averaged with the untouched copy's, as the TTA ensemble averages them beside the
+            identity: an op that helps the ensemble without being better alone, e.g. a
             zoom out that undoes a magnified target, is credited). A research setting: on the default synthetic
             shift it credits zoom-ins that lower the soft Dice loss of the average but cost TTA Dice
             (``benchmarks/README.md``, "A zoom shift"). ``"with-identity-hard"``: the same pair scored by the
@@ -264,8 +269,9 @@ class TEAPolicyUpdater(PolicyUpdater):
         """Soft Dice losses ``[1 + len(ops)]`` of the untouched patch and of each op's mapped-back prediction: its
         softmax probabilities mapped back (``op_score="alone"``), its logits mapped back and then the softmax
         (``"alone-logits"``, as :class:`jcsaug.inference.TEAInferer` forms it), or the average of its mapped-back
-        logits and the untouched copy's (``"with-identity"``); with ``"with-identity-hard"`` one minus the hard Dice
-        of that average's argmax (the untouched copy's own logits for the untouched one)."""
+        logits and the untouched copy's (``"with-identity"``); with ``"alone-hard"`` / ``"with-identity-hard"`` one
+        minus the hard Dice of the argmax of the op's mapped-back logits / of that average (the untouched copy's own
+        logits for the untouched one)."""
         if self.op_score == "ensemble":
             return self._ensemble_scores(image, label, ops)
         logits = self.op_score != "alone"
@@ -273,7 +279,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         if self.op_score.startswith("with-identity"):  # the TTA's ensemble of the identity and the op: logits averaged
             mapped = torch.cat([mapped[:1], (mapped[:1] + mapped[1:]) / 2])
         labels = label.unsqueeze(0).expand(len(mapped), *label.shape)
-        if self.op_score == "with-identity-hard":
+        if self.op_score.endswith("-hard"):
             return hard_dice_loss(mapped, labels).double().cpu()
         probs = torch.softmax(mapped, dim=1) if logits else mapped
         return soft_dice_loss(probs, labels).double().cpu()
