@@ -500,60 +500,45 @@ def test_tea_op_score_with_identity_scores_each_op_in_the_ttas_pair(estimator):
         TEAPolicyUpdater(policy, _Threshold(), val, ops=ops, op_score="pair")
 
 
-@pytest.mark.parametrize("estimator", ["gumbel", "paired"])
-def test_tea_op_score_with_identity_hard_scores_the_pairs_argmax_segmentation(estimator):
-    """``op_score="with-identity-hard"``: a copy is scored by one minus the hard Dice of the argmax of its
-    mapped-back logits averaged with the untouched copy's. Foreground at 0.6 (found) and at 0.48 or 0.46 (missed by
-    the untouched copy, logit -0.06 / -0.12): +0.05 lifts it to +0.09 / +0.03, so the pair's average finds it at
-    0.48 (+0.015) and misses it at 0.46 (-0.045), although the op alone finds both: the score is the pair's
-    segmentation, not the op's and not a softened one."""
-    ops = [TEA_OPS[0], TEA_OPS[38], TEA_OPS[54]]
+def _faint_half(faint: float) -> tuple[torch.Tensor, torch.Tensor, list[dict]]:
+    """``(image, label, validation batches)`` of 8³: 64 foreground voxels, 32 at 0.6 (found by :class:`_Threshold`)
+    and 32 at ``faint``, background at 0.3."""
     label = torch.zeros(1, 8, 8, 8)
-    label[0, 4:, 4:, 4:] = 1  # 64 voxels: 32 at 0.6 and 32 at the faint value
-    policy = CategoricalPolicy([len(ops)]).double()
-    for faint, pair_finds_it in ((0.48, True), (0.46, False)):
-        image = 0.3 + label * 0.3
-        image[0, 4:6, 4:, 4:] = faint
-        val = [{"image": image[None], "label": label[None]}]
-        updater = TEAPolicyUpdater(policy, _Threshold(), val, lr=0.1, num_copies=2, ops=ops, seed=0,
-                                   estimator=estimator, op_score="with-identity-hard")  # fmt: skip
-        losses = updater._mapped_back_dice(image, label, [ops[1], ops[2]]).numpy()
-        half = 1 - 2 * 32 / (32 + 64)  # the untouched copy finds 32 of 64 voxels, no false positive
-        np.testing.assert_allclose(losses, [half, half, 0.0 if pair_finds_it else half], atol=1e-7)
-    assert updater.resume_settings()["op_score"] == "with-identity-hard"
-    engine = Engine(lambda e, b: None)
-    updater.attach(engine)
-    engine.run([0], max_epochs=1)
-    assert updater.updates == 1
+    label[0, 4:, 4:, 4:] = 1
+    image = 0.3 + label * 0.3
+    image[0, 4:6, 4:, 4:] = faint
+    return image, label, [{"image": image[None], "label": label[None]}]
+
+
+_HALF_FOUND = 1 - 2 * 32 / (32 + 64)  # hard Dice loss when 32 of the 64 foreground voxels are found, none too many
 
 
 @pytest.mark.parametrize("estimator", ["gumbel", "paired"])
-def test_tea_op_score_alone_hard_scores_the_ops_own_argmax_segmentation(estimator):
-    """``op_score="alone-hard"``: a copy is scored by one minus the hard Dice of the argmax of its own mapped-back
-    logits (a one-op TTA's segmentation). Foreground at 0.6 (found) and a faint half at 0.46 or 0.40 (missed by the
-    untouched copy): +0.05 lifts 0.46 over the threshold (found: loss 0; the pair with the identity would still miss
-    it) and 0.40 not (loss unchanged, where the op's soft Dice loss differs from the untouched copy's: a change of
-    the logits that leaves the segmentation as it was scores nothing)."""
+@pytest.mark.parametrize(
+    "score, soft_score, faint_found",
+    [("with-identity-hard", "with-identity", ((0.48, True), (0.46, False))),
+     ("alone-hard", "alone-logits", ((0.46, True), (0.40, False)))],
+)  # fmt: skip
+def test_tea_hard_op_scores_score_the_ttas_argmax_segmentation(score, soft_score, faint_found, estimator):
+    """The hard scores: a copy is scored by one minus the hard Dice of the argmax of its mapped-back logits averaged
+    with the untouched copy's (``"with-identity-hard"``, the pair's segmentation) or of its own (``"alone-hard"``,
+    a one-op TTA's). Foreground at 0.6 (found) and a faint half (missed by the untouched copy, logit -0.06 at 0.48,
+    -0.12 at 0.46): +0.05 lifts it to +0.09 / +0.03 / -0.15 at 0.48 / 0.46 / 0.40, so the pair's average finds it at
+    0.48 (+0.015) and misses it at 0.46 (-0.045), the op alone finds it at 0.46 and misses it at 0.40. Where it is
+    missed the loss is the untouched copy's, though the soft score of the same logits differs: a change that leaves
+    the segmentation as it was scores nothing."""
     ops = [TEA_OPS[0], TEA_OPS[38], TEA_OPS[54]]
-    label = torch.zeros(1, 8, 8, 8)
-    label[0, 4:, 4:, 4:] = 1  # 64 voxels: 32 at 0.6 and 32 at the faint value
     policy = CategoricalPolicy([len(ops)]).double()
-    half = 1 - 2 * 32 / (32 + 64)  # the untouched copy finds 32 of 64 voxels, no false positive
-    for faint, op_finds_it in ((0.46, True), (0.40, False)):
-        image = 0.3 + label * 0.3
-        image[0, 4:6, 4:, 4:] = faint
-        val = [{"image": image[None], "label": label[None]}]
+    for faint, found in faint_found:
+        image, label, val = _faint_half(faint)
         updater = TEAPolicyUpdater(policy, _Threshold(), val, lr=0.1, num_copies=2, ops=ops, seed=0,
-                                   estimator=estimator, op_score="alone-hard")  # fmt: skip
+                                   estimator=estimator, op_score=score)  # fmt: skip
         losses = updater._mapped_back_dice(image, label, [ops[1], ops[2]]).numpy()
-        np.testing.assert_allclose(losses, [half, half, 0.0 if op_finds_it else half], atol=1e-7)
-        soft = TEAPolicyUpdater(policy, _Threshold(), val, ops=ops, op_score="alone-logits")
+        np.testing.assert_allclose(losses, [_HALF_FOUND, _HALF_FOUND, 0.0 if found else _HALF_FOUND], atol=1e-7)
+        soft = TEAPolicyUpdater(policy, _Threshold(), val, ops=ops, op_score=soft_score)
         soft_losses = soft._mapped_back_dice(image, label, [ops[1], ops[2]]).numpy()
         assert abs(soft_losses[2] - soft_losses[0]) > 1e-3  # the soft score rates the op either way
-    pair = TEAPolicyUpdater(policy, _Threshold(), val, ops=ops, op_score="with-identity-hard")
-    image[0, 4:6, 4:, 4:] = 0.46
-    assert pair._mapped_back_dice(image, label, [ops[2]]).tolist() == pytest.approx([half, half])  # not the pair's
-    assert updater.resume_settings()["op_score"] == "alone-hard"
+    assert updater.resume_settings()["op_score"] == score
     engine = Engine(lambda e, b: None)
     updater.attach(engine)
     engine.run([0], max_epochs=1)
