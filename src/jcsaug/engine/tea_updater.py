@@ -130,8 +130,8 @@ class TEAPolicyUpdater(PolicyUpdater):
             setting: with the sliding window ``inferer`` it finds zoom-outs on a zoom shift, but joint runs gained
             little there and lost a little on the default shift, ``benchmarks/README.md``) or ``"with-identity"``
             (its mapped-back logits averaged with the untouched copy's, as the TTA ensemble averages them beside the
-            identity: an op that helps the ensemble without being better alone, e.g. a
-            zoom out that undoes a magnified target, is credited). A research setting: on the default synthetic
+            identity: an op that helps the ensemble without being better alone, e.g. a zoom out that undoes a
+            magnified target, is credited). A research setting: on the default synthetic
             shift it credits zoom-ins that lower the soft Dice loss of the average but cost TTA Dice
             (``benchmarks/README.md``, "A zoom shift"). ``"with-identity-hard"``: the same pair scored by the
             hard Dice of its argmax, the segmentation the TTA outputs (not differentiable, and need not be: both
