@@ -367,6 +367,10 @@ def print_breakdown(t: dict[str, float], iterations: int, clock_name: str) -> No
 # ---------------------------------------------------------------------------------------------- memory child
 # ---------------------------------------------------------------------------------------------- 5. options
 #: option -> (updater class, its keyword arguments, counterfactual copies the training batches need)
+# the synthetic bundle's tea_sliding_window predicts its 48³ volumes by 32³ windows (8 windows, 2.4x the voxels);
+# here 24³ windows on the default 32³ patches (8 windows, 3.4x the voxels)
+TEA_WINDOW = SlidingWindowInferer(24, sw_batch_size=8, overlap=0.25, mode="gaussian")
+
 OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TRA gumbel (paper), 1 val batch": (TRAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TRA paired K=1": (TRAPolicyUpdater, {"estimator": "paired"}, 1),
@@ -386,20 +390,14 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TEA paired": (TEAPolicyUpdater, {"estimator": "paired"}, 0),
     "TEA paired, 4 patches": (TEAPolicyUpdater, {"estimator": "paired", "patches": 4}, 0),
     "TEA paired, ensemble score (z = 8)": (TEAPolicyUpdater, {"estimator": "paired", "op_score": "ensemble"}, 0),
-    # the synthetic bundle's tea_sliding_window predicts its 48³ volumes by 32³ windows (8 windows, 2.4x the voxels);
-    # here 24³ windows on the default 32³ patches (8 windows, 3.4x the voxels)
     "TEA paired, copies by a sliding window of 24³": (
         TEAPolicyUpdater,
-        {"estimator": "paired", "inferer": SlidingWindowInferer(24, sw_batch_size=8, overlap=0.25, mode="gaussian")},
+        {"estimator": "paired", "inferer": TEA_WINDOW},
         0,
     ),
     "TEA paired, alone-hard score, copies by a sliding window of 24³": (
         TEAPolicyUpdater,
-        {
-            "estimator": "paired",
-            "op_score": "alone-hard",
-            "inferer": SlidingWindowInferer(24, sw_batch_size=8, overlap=0.25, mode="gaussian"),
-        },
+        {"estimator": "paired", "op_score": "alone-hard", "inferer": TEA_WINDOW},
         0,
     ),
 }
