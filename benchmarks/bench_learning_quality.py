@@ -424,6 +424,7 @@ def main() -> None:
         "spin and slow every run down several times)",
     )
     args = parser.parse_args()  # fmt: skip
+    args.out = args.out.resolve()  # the runs start in the repository root: a relative path would land there
 
     from jcsaug.data.synthetic import changed_aspects, describe_shift
 

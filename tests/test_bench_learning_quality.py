@@ -265,6 +265,27 @@ def test_tea_z_reaches_the_runs_and_the_rank_targets(bench, tmp_path, monkeypatc
         bench.main()
 
 
+
+def test_a_relative_out_reaches_the_runs_as_the_folder_it_names_here(bench, tmp_path, monkeypatch):
+    """The runs start in the repository root: a relative ``--out`` must still name the folder under the caller's
+    working directory (it once sent the runs to a new dataset of the default shift under the repository)."""
+    seen = {}
+
+    def fake_run_one(mode, seed, data, run_dir, *rest):
+        seen["data"], seen["run_dir"] = data, run_dir
+        policies = policies_to_dict(make_tra_policy("nnunet", 2), make_tea_policy())
+        return {"none": 50.0, "tta": 55.0, "policies": policies, "seconds": 1.0}
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    monkeypatch.setattr(bench, "undoing_op_report", lambda *args: ([], []))
+    no_shift = {"undone_by": {"tra": [], "tea": []}}
+    monkeypatch.setattr(bench, "prepare_dataset", lambda out, shift: (out / "data", no_shift))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench.sys, "argv", ["bench", "--modes", "heuristic+mirror", "--seeds", "0", "--out", "rel"])
+    bench.main()
+    assert seen["data"] == tmp_path / "rel" / "data"
+    assert seen["run_dir"].is_absolute() and seen["run_dir"].is_relative_to(tmp_path / "rel")
+
 COMBINED = '{"long_axis": 1, "mirror_axis0": true, "blur": [0.8, 1.0]}'  # a shift no name stands for
 
 
