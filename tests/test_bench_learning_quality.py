@@ -265,7 +265,6 @@ def test_tea_z_reaches_the_runs_and_the_rank_targets(bench, tmp_path, monkeypatc
         bench.main()
 
 
-
 def test_a_relative_out_reaches_the_runs_as_the_folder_it_names_here(bench, tmp_path, monkeypatch):
     """The runs start in the repository root: a relative ``--out`` must still name the folder under the caller's
     working directory (it once sent the runs to a new dataset of the default shift under the repository)."""
@@ -285,6 +284,7 @@ def test_a_relative_out_reaches_the_runs_as_the_folder_it_names_here(bench, tmp_
     bench.main()
     assert seen["data"] == tmp_path / "rel" / "data"
     assert seen["run_dir"].is_absolute() and seen["run_dir"].is_relative_to(tmp_path / "rel")
+
 
 COMBINED = '{"long_axis": 1, "mirror_axis0": true, "blur": [0.8, 1.0]}'  # a shift no name stands for
 
