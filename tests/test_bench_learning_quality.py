@@ -233,13 +233,18 @@ def test_reuse_keeps_only_runs_made_with_the_same_settings(bench, tmp_path, monk
     assert len(launched) == 3
 
 
+def finished_run() -> dict:
+    """What ``run_one`` returns for a finished run (nnU-Net's presets as its policies): the fakes' result."""
+    policies = policies_to_dict(make_tra_policy("nnunet", 2), make_tea_policy())
+    return {"none": 50.0, "tta": 55.0, "policies": policies, "seconds": 1.0}
+
+
 def test_tea_z_reaches_the_runs_and_the_rank_targets(bench, tmp_path, monkeypatch):
     seen = {}
 
     def fake_run_one(mode, seed, data, run_dir, overrides, *rest):
         seen[mode] = overrides
-        policies = policies_to_dict(make_tra_policy("nnunet", 2), make_tea_policy())
-        return {"none": 50.0, "tta": 55.0, "policies": policies, "seconds": 1.0}
+        return finished_run()
 
     def fake_report(modes, results, seeds, undone_by, tea_z, *rest):
         seen["targets_z"] = tea_z
@@ -272,8 +277,7 @@ def test_a_relative_out_reaches_the_runs_as_the_folder_it_names_here(bench, tmp_
 
     def fake_run_one(mode, seed, data, run_dir, *rest):
         seen["data"], seen["run_dir"] = data, run_dir
-        policies = policies_to_dict(make_tra_policy("nnunet", 2), make_tea_policy())
-        return {"none": 50.0, "tta": 55.0, "policies": policies, "seconds": 1.0}
+        return finished_run()
 
     monkeypatch.setattr(bench, "run_one", fake_run_one)
     monkeypatch.setattr(bench, "undoing_op_report", lambda *args: ([], []))
@@ -319,8 +323,7 @@ def test_a_json_shift_gets_its_own_dataset_runs_report_and_oracle(bench, tmp_pat
 
     def fake_run_one(mode, seed, data, run_dir, overrides, *rest):
         seen[mode] = (data, run_dir, overrides)
-        policies = policies_to_dict(make_tra_policy("nnunet", 2), make_tea_policy())
-        return {"none": 50.0, "tta": 55.0, "policies": policies, "seconds": 1.0}
+        return finished_run()
 
     monkeypatch.setattr(bench, "run_one", fake_run_one)
     argv = ["bench", "--modes", "heuristic+mirror", "oracle+mirror", "heuristic+oracle-tea", "--seeds", "0", "--out",
