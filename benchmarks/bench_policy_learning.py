@@ -65,8 +65,8 @@ default for the verdicts) and ``cpu`` (this process's CPU time, summed over its 
    paired TRA estimator with K = 1, 2, 4 copies, a validation pool of 6 batches, the batch soft Dice L_val, the
    look-ahead, the ``equal-norm`` hypergradient (one backward pass per sample), the ``beyond-training`` direction
    (one more forward-backward pass of the training batch; none beside the look-ahead, which computes that
-   gradient already: the synthetic default, look-ahead 16 + ``beyond-training``), and the TEA estimators
-   (``gumbel``, ``paired``, ``paired`` on 4 patches).
+   gradient already), the synthetic bundle's own TRA settings (read from its ``train.yaml``), and the TEA
+   estimators (``gumbel``, ``paired``, ``paired`` on 4 patches).
 
 The targets live here, never in timed tests. Compare numbers only from the same machine, same ``--threads``.
 """
@@ -87,10 +87,12 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import monai
 import numpy as np
 import torch
+import yaml
 from ignite.engine import Engine, Events
 from monai.inferers import SlidingWindowInferer
 from monai.losses import DiceCELoss
@@ -107,6 +109,7 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = time.process_time  # set from --clock in main()
 BLOCK = 10  # iterations per timed block (= the larger update period, so every N=10 block holds one update)
 TRA_LR, TEA_LR = 0.02, 0.01  # bundles/synthetic_lesion/configs/train.yaml
+SYNTHETIC_TRAIN = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
 CONFIGS = {"plain": None, "joint N=1": 1, "joint N=10": 10}
 TARGET_BOUND, TARGET_MEMORY = 1.10, 1.30
 
@@ -364,13 +367,26 @@ def print_breakdown(t: dict[str, float], iterations: int, clock_name: str) -> No
     print(f"  policy bookkeeping (re-sampling, Adam steps, logging; TRA + TEA): {book * 1e3:.1f} ms = {book / it:.1%}")
 
 
-# ---------------------------------------------------------------------------------------------- memory child
 # ---------------------------------------------------------------------------------------------- 5. options
+def synthetic_tra_settings(config: Path = SYNTHETIC_TRAIN) -> tuple[dict, int, str]:
+    """The synthetic bundle's TRA estimator settings as ``TRAPolicyUpdater`` arguments, read from its
+    ``train.yaml`` (so that section 5's default row follows the bundle), its counterfactual copies K and a label."""
+    cfg = yaml.safe_load(config.read_text())
+    kwargs = {"estimator": cfg["tra_estimator"], "val_batches": int(cfg["val_batches"]), "val_loss": cfg["val_loss"],
+              "lookahead": float(cfg["tra_lookahead"]), "direction": cfg["tra_direction"],
+              "hypergradient": cfg["hypergradient"]}  # fmt: skip
+    copies = int(cfg["tra_counterfactuals"])
+    label = (f"{kwargs['estimator']} K={copies}, {kwargs['val_batches']} val batches, {kwargs['val_loss']} L_val, "
+             f"look-ahead {cfg['tra_lookahead']}, {kwargs['direction']}")  # fmt: skip
+    return kwargs, copies, label
+
+
+SYNTHETIC_TRA, SYNTHETIC_TRA_COPIES, SYNTHETIC_TRA_NAME = synthetic_tra_settings()
+
 #: option -> (updater class, its keyword arguments, counterfactual copies the training batches need)
 # the synthetic bundle's tea_sliding_window predicts its 48³ volumes by 32³ windows (8 windows, 2.4x the voxels);
 # here 24³ windows on the default 32³ patches (8 windows, 3.4x the voxels)
 TEA_WINDOW = SlidingWindowInferer(24, sw_batch_size=8, overlap=0.25, mode="gaussian")
-
 OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TRA gumbel (paper), 1 val batch": (TRAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TRA paired K=1": (TRAPolicyUpdater, {"estimator": "paired"}, 1),
@@ -381,10 +397,16 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TRA paired K=2, look-ahead 16": (TRAPolicyUpdater, {"estimator": "paired", "lookahead": 16}, 2),
     "TRA paired K=2, equal-norm": (TRAPolicyUpdater, {"estimator": "paired", "hypergradient": "equal-norm"}, 2),
     "TRA paired K=2, beyond-training": (TRAPolicyUpdater, {"estimator": "paired", "direction": "beyond-training"}, 2),
-    "TRA paired K=2, look-ahead 16, beyond-training (synthetic default)": (
+    "TRA paired K=2, look-ahead 16, beyond-training": (
         TRAPolicyUpdater,
         {"estimator": "paired", "lookahead": 16, "direction": "beyond-training"},
         2,
+    ),
+    f"TRA synthetic default ({SYNTHETIC_TRA_NAME})": (TRAPolicyUpdater, SYNTHETIC_TRA, SYNTHETIC_TRA_COPIES),
+    "TRA synthetic default with 6 val batches (its setting before 2026-11-28)": (
+        TRAPolicyUpdater,
+        {**SYNTHETIC_TRA, "val_batches": 6},
+        SYNTHETIC_TRA_COPIES,
     ),
     "TEA gumbel (paper)": (TEAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TEA paired": (TEAPolicyUpdater, {"estimator": "paired"}, 0),
@@ -460,6 +482,7 @@ def option_costs(args: argparse.Namespace, init_state: dict, train: list[dict], 
               f"   ({runs[name].counts()})")  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------------- memory child
 def rss_kib() -> tuple[int, int]:
     """(current RSS, peak RSS) of this process in KiB.
 
