@@ -1,0 +1,39 @@
+"""The policy-learning cost benchmark times the synthetic bundle's own TRA settings (no timing here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from monai.bundle import ConfigParser
+
+from helpers import CONFIGS, load_benchmark, tiny_unet
+from jcsaug.engine import TRAPolicyUpdater
+from jcsaug.policy import make_tra_policy
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("bench_policy_learning")
+
+
+def test_section_5_times_the_bundles_own_tra_settings(bench, tmp_path):
+    """Section 5's default row is read from the bundle's ``train.yaml`` (a changed default moves the row with it),
+    and the former 6-batch setting is timed beside it."""
+    parser = ConfigParser()
+    parser.read_config(CONFIGS / "train.yaml")
+    kwargs, copies, label = bench.synthetic_tra_settings(CONFIGS / "train.yaml")
+    assert kwargs == {"estimator": parser["tra_estimator"], "val_batches": parser["val_batches"],
+                      "val_loss": parser["val_loss"], "lookahead": parser["tra_lookahead"],
+                      "direction": parser["tra_direction"], "hypergradient": parser["hypergradient"]}  # fmt: skip
+    assert copies == parser["tra_counterfactuals"] and f"{parser['val_batches']} val batches" in label
+    rows = {name: (cls, kw, k) for name, (cls, kw, k) in bench.OPTIONS.items() if "synthetic default" in name}
+    assert sorted(kw["val_batches"] for _, kw, _ in rows.values()) == sorted([parser["val_batches"], 6])
+    assert all(cls is TRAPolicyUpdater and k == copies for cls, _, k in rows.values())
+    # the arguments are the updater's own: it takes them as they are
+    model = tiny_unet()
+    TRAPolicyUpdater(make_tra_policy("nnunet", 2), model, [], torch.optim.SGD(model.parameters(), lr=0.01), **kwargs)
+    # another bundle setting reaches the row
+    edited = tmp_path / "train.yaml"
+    edited.write_text((CONFIGS / "train.yaml").read_text().replace(
+        f"val_batches: {parser['val_batches']} ", "val_batches: 3 ", 1))  # fmt: skip
+    assert bench.synthetic_tra_settings(edited)[0]["val_batches"] == 3
