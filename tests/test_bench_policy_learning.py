@@ -26,9 +26,9 @@ def test_section_5_times_the_bundles_own_tra_settings(bench, tmp_path):
                       "val_loss": parser["val_loss"], "lookahead": parser["tra_lookahead"],
                       "direction": parser["tra_direction"], "hypergradient": parser["hypergradient"]}  # fmt: skip
     assert copies == parser["tra_counterfactuals"] and f"{parser['val_batches']} val batches" in label
-    rows = {name: (cls, kw, k) for name, (cls, kw, k) in bench.OPTIONS.items() if "synthetic default" in name}
-    assert sorted(kw["val_batches"] for _, kw, _ in rows.values()) == sorted([parser["val_batches"], 6])
-    assert all(cls is TRAPolicyUpdater and k == copies for cls, _, k in rows.values())
+    rows = [row for name, row in bench.OPTIONS.items() if "synthetic default" in name]
+    assert sorted(kw["val_batches"] for _, kw, _ in rows) == sorted([parser["val_batches"], 6])
+    assert all(cls is TRAPolicyUpdater and k == copies for cls, _, k in rows)
     # the arguments are the updater's own: it takes them as they are
     model = tiny_unet()
     TRAPolicyUpdater(make_tra_policy("nnunet", 2), model, [], torch.optim.SGD(model.parameters(), lr=0.01), **kwargs)
