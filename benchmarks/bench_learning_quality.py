@@ -113,19 +113,35 @@ MODES: dict[str, dict[str, str]] = {
 BASELINE = "heuristic+mirror"
 
 
-def oracle_preset(undone_by: dict, partial: bool = False) -> dict:
-    """The nnU-Net preset with every series holding a shift-undoing op set to identity 0.5, that op 0.5; the
-    random-sign ("partial") ops only with ``partial`` (half their draws go against the shift)."""
-    from jcsaug.ops.tra import TRA_SERIES
+def op_names_in(op_names: list[str], op: str) -> list[str]:
+    """The names a series' ``op_names`` give SPEC's op ``op``: itself, or in the ``split-signs`` catalogue its
+    ``+`` and ``-`` halves (``scale±[0.4,0.5)`` -> ``scale+[0.4,0.5)``, ``scale-[0.4,0.5)``; ``rot90`` -> ``rot90+``,
+    ``rot90-``)."""
+    if op in op_names:
+        return [op]
+    halves = [op.replace("±", sign) if "±" in op else op + sign for sign in "+-"]
+    if not all(h in op_names for h in halves):
+        raise KeyError(f"no op {op!r} (or its signed halves) among {op_names}")
+    return halves
+
+
+def oracle_preset(undone_by: dict, partial: bool = False, catalogue: str = "spec") -> dict:
+    """The nnU-Net preset with every series holding a shift-undoing op set to identity 0.5, that op 0.5 (in the
+    ``split-signs`` catalogue its two halves 0.25 each: the same draws); the random-sign ("partial") ops only with
+    ``partial`` (half their draws go against the shift)."""
+    from jcsaug.ops.tra import tra_catalogue
 
     preset: dict = {"base": "nnunet"}
-    by_name = {s.name: s for s in TRA_SERIES}
+    by_name = {s.name: s for s in tra_catalogue(catalogue)}
     for entry in undone_by["tra"]:
         if entry.get("partial") and not partial:
             continue
         series = by_name[entry["series"]]
         probs = [0.0] * series.size
-        probs[0], probs[series.index_of(entry["op"])] = 0.5, 0.5
+        probs[0] = 0.5
+        names = op_names_in(series.op_names, entry["op"])
+        for name in names:
+            probs[series.index_of(name)] = 0.5 / len(names)
         preset[entry["series"]] = probs
     return preset
 
@@ -157,7 +173,7 @@ def oracle_tea_policy_file(out: Path, undone_by: dict) -> tuple[Path, int]:
 ORACLE_GROUP_MODES = {"oracle-background+mirror": 0, "oracle-lesion+mirror": 1}
 
 
-def oracle_group_policy_file(out: Path, undone_by: dict, group: int) -> Path:
+def oracle_group_policy_file(out: Path, undone_by: dict, group: int, catalogue: str = "spec") -> Path:
     """A ``policies.json`` whose TRA policy is the oracle (:func:`oracle_preset`) in class group ``group`` and the
     nnU-Net preset in the other, for ``tra_mode fixed``: does that group need the shift-undoing ops?"""
     import torch
@@ -165,7 +181,8 @@ def oracle_group_policy_file(out: Path, undone_by: dict, group: int) -> Path:
     from jcsaug.policy import make_tra_policy
     from jcsaug.policy.io import save_policies
 
-    policy, oracle = make_tra_policy("nnunet", num_groups=2), make_tra_policy(oracle_preset(undone_by), num_groups=2)
+    policy = make_tra_policy("nnunet", num_groups=2, catalogue=catalogue)
+    oracle = make_tra_policy(oracle_preset(undone_by, catalogue=catalogue), num_groups=2, catalogue=catalogue)
     with torch.no_grad():
         policy.logits[group] = oracle.logits[group]
     return save_policies(out / f"oracle_group{group}_policies.json", policy)
@@ -175,7 +192,9 @@ def oracle_group_policy_file(out: Path, undone_by: dict, group: int) -> Path:
 ORACLE_FLIP_OFF_MODES = {"oracle-flip-off-background+mirror": (0,), "oracle-flip-off+mirror": (0, 1)}
 
 
-def oracle_flip_off_policy_file(out: Path, undone_by: dict, groups: tuple[int, ...]) -> Path:
+def oracle_flip_off_policy_file(
+    out: Path, undone_by: dict, groups: tuple[int, ...], catalogue: str = "spec"
+) -> Path:
     """A ``policies.json`` whose TRA policy is the oracle (:func:`oracle_preset`, both groups) with every
     shift-undoing ``mirror_*`` flip off (identity 1) in ``groups``, for ``tra_mode fixed``: is the flip that undoes
     the shift's mirroring worth any Dice there? (The heuristic already draws it at 0.5.)"""
@@ -185,7 +204,7 @@ def oracle_flip_off_policy_file(out: Path, undone_by: dict, groups: tuple[int, .
     mirrors = [e["series"] for e in undone_by["tra"] if e["series"].startswith("mirror_")]
     if not mirrors:
         raise ValueError("the flip-off oracle modes need a shift with a mirror aspect (domain_shift.undone_by.tra)")
-    policy = make_tra_policy(oracle_preset(undone_by), num_groups=2)
+    policy = make_tra_policy(oracle_preset(undone_by, catalogue=catalogue), num_groups=2, catalogue=catalogue)
     probs = [p.detach().clone() for p in policy.probabilities()]
     for series in mirrors:
         s = policy.series_names.index(series)
@@ -303,11 +322,25 @@ def threads_per_run(jobs: int, threads: int = 0) -> int:
 
 
 def tra_probability(policies: dict, series: str, op: str) -> list[float]:
-    """The op's final probability in every class group."""
+    """The op's final probability in every class group (``split-signs``: the sum of its two halves)."""
     out = []
     for group in policies["tra"]["groups"]:
         entry = next(s for s in group["series"] if s["series"] == series)
-        out.append(next(o["probability"] for o in entry["ops"] if o["name"] == op))
+        by_name = {o["name"]: o["probability"] for o in entry["ops"]}
+        out.append(sum(by_name[name] for name in op_names_in(list(by_name), op)))
+    return out
+
+
+def tra_halves(policies: dict, series: str, op: str) -> list[tuple[float, float]] | None:
+    """``(+, -)`` final probabilities of a signed op's halves per class group in a ``split-signs`` run, else None."""
+    out = []
+    for group in policies["tra"]["groups"]:
+        entry = next(s for s in group["series"] if s["series"] == series)
+        by_name = {o["name"]: o["probability"] for o in entry["ops"]}
+        names = op_names_in(list(by_name), op)
+        if len(names) != 2:
+            return None
+        out.append((by_name[names[0]], by_name[names[1]]))
     return out
 
 
@@ -384,6 +417,10 @@ def undoing_op_report(
             probs = [tra_probability(results[(mode, s)]["policies"], entry["series"], entry["op"]) for s in seeds]
             text = "; ".join(", ".join(f"{p:.2f}" for p in groups) for groups in probs)
             lines.append(f"- {mode}: TRA `{entry['series']}/{entry['op']}`: {text}")
+            halves = [tra_halves(results[(mode, s)]["policies"], entry["series"], entry["op"]) for s in seeds]
+            if all(h is not None for h in halves):  # split-signs: which sign the policy chose
+                lines[-1] += " (+ / - halves: " + "; ".join(
+                    ", ".join(f"{a:.2f} / {b:.2f}" for a, b in groups) for groups in halves) + ")"  # fmt: skip
             if entry.get("partial"):  # a random-sign op: half its draws undo the shift (reported, no target)
                 lines[-1] += " (partial: its sign is drawn; no target)"
                 continue
@@ -442,16 +479,22 @@ def main() -> None:
     policy_dir = args.out / "runs" / name  # the oracle policy files of this shift (another shift's are its own)
     policy_dir.mkdir(parents=True, exist_ok=True)
     jobs = []
+    catalogue = common.get("tra_catalogue", bundle_default("tra_catalogue"))
     for mode in modes:
         overrides = {**MODES[mode], **common}
         if mode in TRA_ORACLE_MODES:
-            overrides["tra_preset"] = json.dumps(oracle_preset(undone_by, partial=mode == "oracle-partial+mirror"))
+            partial = mode == "oracle-partial+mirror"
+            overrides["tra_preset"] = json.dumps(oracle_preset(undone_by, partial=partial, catalogue=catalogue))
         if mode == "heuristic+oracle-tea":
             overrides["tea_policy"], overrides["tea_z"] = oracle_tea_policy_file(policy_dir, undone_by)
         if mode in ORACLE_GROUP_MODES:
-            overrides["tra_policy"] = oracle_group_policy_file(policy_dir, undone_by, ORACLE_GROUP_MODES[mode])
+            overrides["tra_policy"] = oracle_group_policy_file(
+                policy_dir, undone_by, ORACLE_GROUP_MODES[mode], catalogue
+            )
         if mode in ORACLE_FLIP_OFF_MODES:
-            overrides["tra_policy"] = oracle_flip_off_policy_file(policy_dir, undone_by, ORACLE_FLIP_OFF_MODES[mode])
+            overrides["tra_policy"] = oracle_flip_off_policy_file(
+                policy_dir, undone_by, ORACLE_FLIP_OFF_MODES[mode], catalogue
+            )
         for seed in args.seeds:
             jobs.append((mode, seed, data, args.out / "runs" / name / mode / f"seed{seed}", overrides))
     print(f"shift {name!r} ({about}): undone by TRA {undone_by['tra']} / TEA {undone_by['tea']}; {len(jobs)} runs")

@@ -32,7 +32,9 @@ the interaction ``s(A+B) - s(A) - s(B) + s(identity)``. The row ``s(identity)`` 
 plain patches (same scale). Pairing: every patch gets the same draws of a series (rotation direction and angle,
 gamma magnitude and sign, ...) under every transform containing it; ops are drawn and applied as the learner's
 counterfactual copies are (``replace_series_op``, then ``apply_tra_batch``, image and label). Signed ops (e.g.
-``gamma±[0.4,0.6)``) draw their sign, so their row is the average over both directions.
+``gamma±[0.4,0.6)``) draw their sign, so their row is the average over both directions; their halves of the
+``split-signs`` catalogue (``gamma+[0.4,0.6)``, ``gamma-[0.4,0.6)``, ``rot90+``, ``rot90-``) may be given in ``--ops``
+too, each with its one sign.
 
 ``--context drawn``: the other series are drawn per patch from the TRA policy the state was trained with (the
 checkpoint's learned policy when it holds one, else the config's ``tra_preset``; the tested series kept at the
@@ -80,13 +82,17 @@ from jcsaug.engine.hypergradient import (
 )
 from jcsaug.engine.losses import chunked_loss, get_loss
 from jcsaug.engine.tra_updater import TRA_DIRECTIONS, without_component
+from jcsaug.ops.catalogue import Series
 from jcsaug.ops.tra import (
+    TRA_CATALOGUES,
     TRA_SERIES,
     TRA_SERIES_NAMES,
     TRAParams,
     apply_tra_batch,
     replace_series_op,
     sample_tra_params,
+    tra_catalogue,
+    tra_catalogue_name,
 )
 from jcsaug.policy import make_tra_policy
 from jcsaug.policy.categorical import CategoricalPolicy
@@ -97,7 +103,12 @@ SCALE = 1e3  #: the scores are printed x SCALE
 IDENTITY = "identity"
 ABSOLUTE = "s(identity)"
 
-Op = tuple[int, int]  #: (series index, op index) in TRA_SERIES
+#: the ops ``--ops`` may name: SPEC's catalogue (same indices), then per series the signed halves of ``split-signs``
+OP_SERIES: tuple[Series, ...] = tuple(
+    Series(spec.name, spec.ops + tuple(op for op in split.ops if op.fixed_sign))
+    for spec, split in zip(TRA_SERIES, tra_catalogue("split-signs"))
+)
+Op = tuple[int, int]  #: (series index, op index) in OP_SERIES
 Patches = dict[int, tuple[torch.Tensor, torch.Tensor]]  #: class group -> (images [n, 1, ...], labels [n, 1, ...])
 Direction = dict[str, torch.Tensor]
 
@@ -112,12 +123,12 @@ class Plan(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------- set-up
 def parse_op(name: str) -> Op:
-    """``"series/op"`` -> (series index, op index), checked against the TRA catalogue."""
+    """``"series/op"`` -> (series index, op index), checked against the TRA catalogue (:data:`OP_SERIES`)."""
     series, sep, op = name.partition("/")
     if not sep or series not in TRA_SERIES_NAMES:
         raise ValueError(f"{name!r}: expected 'series/op' with a series of {list(TRA_SERIES_NAMES)}")
     s = TRA_SERIES_NAMES.index(series)
-    return s, TRA_SERIES[s].index_of(op)
+    return s, OP_SERIES[s].index_of(op)
 
 
 def undoing_ops(domain_shift: Mapping) -> list[str]:
@@ -245,7 +256,7 @@ def draw_params(seeds: Sequence[int], ops: Sequence[Op], base: Sequence[TRAParam
     out = []
     for seed, params in zip(seeds, base):
         for series, op in ops:
-            params = replace_series_op(params, series, op, np.random.RandomState([int(seed), series]))
+            params = replace_series_op(params, series, op, np.random.RandomState([int(seed), series]), OP_SERIES)
         out.append(params)
     return out
 
@@ -258,9 +269,10 @@ def draw_context(
     if policy is None:
         return [TRAParams() for _ in seeds]
     out = []
+    catalogue = tra_catalogue(tra_catalogue_name(policy.op_names))
     for seed in seeds:
         rng = np.random.RandomState([int(seed), 99])
-        params = sample_tra_params(policy.sample_ops(group, rng), rng)
+        params = sample_tra_params(policy.sample_ops(group, rng), rng, catalogue)
         for series in keep_identity:
             params = replace_series_op(params, series, 0, rng)
         out.append(params)
@@ -268,12 +280,19 @@ def draw_context(
 
 
 def training_policy(parser: ConfigParser, checkpoint: Path, num_groups: int) -> CategoricalPolicy:
-    """The TRA policy a state was trained with: the checkpoint's learned one, else the config's ``tra_preset``."""
-    policy = make_tra_policy(parser.get_parsed_content("tra_preset"), num_groups=num_groups)
+    """The TRA policy a state was trained with: the checkpoint's learned one (of the catalogue its size is), else the
+    config's ``tra_preset``."""
+    preset = parser.get_parsed_content("tra_preset")
     stored = torch.load(checkpoint, map_location="cpu", weights_only=False).get("tra_updater")
-    if stored is not None:
-        policy.load_state_dict(stored["policy"])
-    return policy
+    if stored is None:
+        return make_tra_policy(preset, num_groups=num_groups)
+    for name in TRA_CATALOGUES:
+        policy = make_tra_policy(preset, num_groups=num_groups, catalogue=name)
+        if policy.logits.shape == stored["policy"]["logits"].shape:
+            policy.load_state_dict(stored["policy"])
+            return policy
+    shape = tuple(stored["policy"]["logits"].shape)
+    raise ValueError(f"{checkpoint}: its TRA policy has logits of shape {shape}, which no TRA catalogue has")
 
 
 # ----------------------------------------------------------------------------------------------- applying

@@ -108,8 +108,10 @@ from jcsaug.policy import CategoricalPolicy, make_tea_policy, make_tra_policy
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = time.process_time  # set from --clock in main()
 BLOCK = 10  # iterations per timed block (= the larger update period, so every N=10 block holds one update)
-TRA_LR, TEA_LR = 0.02, 0.01  # bundles/synthetic_lesion/configs/train.yaml
 SYNTHETIC_TRAIN = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
+#: the synthetic bundle's fixed policy learning rates (``tra_lr``, ``tea_lr``: its runs derive theirs from a logit
+#: budget, which needs a run length; the cost of an update does not depend on the rate)
+TRA_LR, TEA_LR = (float(yaml.safe_load(SYNTHETIC_TRAIN.read_text())[key]) for key in ("tra_lr", "tea_lr"))
 CONFIGS = {"plain": None, "joint N=1": 1, "joint N=10": 10}
 TARGET_BOUND, TARGET_MEMORY = 1.10, 1.30
 

@@ -158,3 +158,27 @@ def test_beyond_training_directions_are_orthogonal_to_the_source_gradient(bench,
     for v in directions:
         assert abs(float(bench.flat_dot(v, source))) < 1e-5 * float(bench.flat_norm(v) * bench.flat_norm(source))
     assert "cos(v, source gradient) = " in line
+
+
+def test_the_signed_halves_of_split_signs_are_measured_each_with_its_one_sign(bench, setup, tmp_path):
+    """``--ops`` takes ``scale-[0.4,0.5)`` (a magnification of 1.4-1.5) beside SPEC's signed op, whose indices stay
+    SPEC's; a checkpoint of a ``split-signs`` run gives its learned policy for ``--context drawn``."""
+    from jcsaug.policy import make_tra_policy
+
+    assert bench.parse_op("scale/scale±[0.4,0.5)") == (0, 5)  # SPEC's index
+    s, minus = bench.parse_op("scale/scale-[0.4,0.5)")
+    _, plus = bench.parse_op("scale/scale+[0.4,0.5)")
+    seeds = bench.patch_seeds(20, 1)
+    down = bench.draw_params(seeds, [(s, minus)], [bench.TRAParams()] * 20)
+    up = bench.draw_params(seeds, [(s, plus)], [bench.TRAParams()] * 20)
+    assert all(1 / 1.5 < p.scale <= 1 / 1.4 for p in down) and all(1.4 <= p.scale < 1.5 for p in up)
+    assert [round(p.scale * q.scale, 9) for p, q in zip(down, up)] == [1.0] * 20  # the same magnitude draws
+    with pytest.raises(KeyError, match="scale"):
+        bench.parse_op("scale/scale*[0.4,0.5)")
+    _, checkpoint, parser = setup
+    split = make_tra_policy("nnunet", 2, catalogue="split-signs")
+    stored = tmp_path / "split.pt"
+    torch.save({**torch.load(checkpoint, weights_only=False), "tra_updater": {"policy": split.state_dict()}}, stored)
+    policy = bench.training_policy(parser, stored, 2)
+    assert policy.op_names == split.op_names
+    assert len(bench.draw_context(seeds, 1, policy, [0])) == 20

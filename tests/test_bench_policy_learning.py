@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 from monai.bundle import ConfigParser
 
 from helpers import CONFIGS, load_benchmark, tiny_unet
@@ -37,3 +38,9 @@ def test_section_5_times_the_bundles_own_tra_settings(bench, tmp_path):
     edited.write_text((CONFIGS / "train.yaml").read_text().replace(
         f"val_batches: {parser['val_batches']} ", "val_batches: 3 ", 1))  # fmt: skip
     assert bench.synthetic_tra_settings(edited)[0]["val_batches"] == 3
+
+
+def test_the_fixed_policy_learning_rates_are_the_bundles():
+    bench = load_benchmark("bench_policy_learning")
+    cfg = yaml.safe_load(bench.SYNTHETIC_TRAIN.read_text())
+    assert (bench.TRA_LR, bench.TEA_LR) == (float(cfg["tra_lr"]), float(cfg["tea_lr"]))

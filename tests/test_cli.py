@@ -26,6 +26,18 @@ def test_ops_tra_json(capsys):
     assert series[12]["series"] == "blur_sharpen" and len(series[12]["ops"]) == 7
 
 
+def test_ops_tra_of_the_split_signs_catalogue(capsys):
+    series = _json(capsys, "ops", "--tra", "--catalogue", "split-signs", "--json")
+    assert sum(len(s["ops"]) for s in series) == 62 + 32
+    assert [op["name"] for op in series[1]["ops"][-2:]] == ["rot90+", "rot90-"]
+    assert series[0]["ops"][2] == {"index": 2, "name": "scale-[0,0.1)", "kind": "scale", "magnitude": [0.0, 0.1],
+                                   "signed": False, "sign": "-"}  # fmt: skip
+    assert main(["ops", "--tra", "--catalogue", "signs"]) == 2
+    assert "catalogues: ['spec', 'split-signs']" in capsys.readouterr().err
+    assert main(["policy", "show", "--preset", "nnunet", "--catalogue", "split-signs"]) == 0
+    assert "rot90-=0.012" in capsys.readouterr().out
+
+
 def test_ops_tea_json(capsys):
     ops = _json(capsys, "ops", "--tea", "--json")
     assert [op["id"] for op in ops] == list(range(84))

@@ -35,6 +35,8 @@ def _build_ops(p: argparse.ArgumentParser) -> None:
     which.add_argument("--tra", action="store_true", help="the 15 training-time series (SPEC §2)")
     which.add_argument("--tea", action="store_true", help="the 84 test-time operations (SPEC §3)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--catalogue", default="spec",
+                   help="TRA catalogue for --tra: spec (signed ops draw their sign; default) or split-signs")
     sub = p.add_subparsers(dest="ops_command")
     from jcsaug.viz import build_gallery_parser
 
@@ -51,9 +53,13 @@ def _run_ops(args: argparse.Namespace) -> int:
         print("jcsaug ops: give --tra or --tea (or the 'gallery' sub-command)", file=sys.stderr)
         return 2
     if args.tra:
-        from jcsaug.ops.tra import tra_catalogue_json
+        from jcsaug.ops.tra import TRA_CATALOGUES, tra_catalogue, tra_catalogue_json
 
-        catalogue = tra_catalogue_json()
+        if args.catalogue not in TRA_CATALOGUES:
+            print(f"jcsaug ops: no TRA catalogue {args.catalogue!r}; catalogues: {TRA_CATALOGUES.names()}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        catalogue = tra_catalogue_json(tra_catalogue(args.catalogue))
         if args.json:
             print(json.dumps(catalogue, indent=1))
             return 0
@@ -61,7 +67,8 @@ def _run_ops(args: argparse.Namespace) -> int:
         for s in catalogue:
             for op in s["ops"]:
                 lo, hi = op["magnitude"]
-                mag = "" if op["kind"] == "identity" else f"{'±' if op['signed'] else ''}[{lo:g}, {hi:g})"
+                sign = "±" if op["signed"] else op.get("sign", "")
+                mag = "" if op["kind"] == "identity" else f"{sign}[{lo:g}, {hi:g})"
                 print(f"{s['id']:>6}  {s['series']:<20} {op['index']:>3}  {op['name']:<28} {mag}")
         return 0
     from jcsaug.ops.tea import tea_catalogue_json
@@ -83,6 +90,7 @@ def _build_policy(p: argparse.ArgumentParser) -> None:
     show.add_argument("path", nargs="?", help="a policies.json written by a run")
     show.add_argument("--preset", help="show an initial TRA preset instead (e.g. nnunet, deepmedic, uniform)")
     show.add_argument("--groups", type=int, default=2, help="class groups for --preset (default 2)")
+    show.add_argument("--catalogue", default="spec", help="TRA catalogue for --preset: spec (default) or split-signs")
     show.add_argument("--json", action="store_true", help="machine-readable output")
     from jcsaug.viz import build_policy_plot_parser
 
@@ -116,7 +124,9 @@ def _run_policy(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.preset:
-            data = policies_to_dict(tra=make_tra_policy(args.preset, num_groups=args.groups))
+            data = policies_to_dict(
+                tra=make_tra_policy(args.preset, num_groups=args.groups, catalogue=args.catalogue)
+            )
         else:
             data = policies_to_dict(*load_policies(args.path))
     except (KeyError, ValueError) as err:

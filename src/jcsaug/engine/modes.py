@@ -190,6 +190,9 @@ class AugmentationSetup:
         tra_mode: one of :func:`list_tra_modes`.
         tea_mode: one of :func:`list_tea_modes`.
         tra_preset: initial TRA probabilities of the modes without a fixed preset.
+        tra_catalogue: the TRA ops of a new policy, a name of :data:`jcsaug.ops.tra.TRA_CATALOGUES`: ``spec``
+            (SPEC §2: a signed op draws its sign) or ``split-signs`` (its two signs are two ops, which the learned
+            policy weighs apart). A ``fixed`` policy's file says its own.
         tea_preset: initial TEA probabilities.
         num_groups: class groups of a class-specific policy (2 = background/foreground).
         tra_policy_file: the ``policies.json`` whose TRA policy the ``fixed`` mode uses (any number of groups).
@@ -220,6 +223,7 @@ class AugmentationSetup:
         tea_op_score: str = "alone",
         tea_z: int = 8,
         tea_identity_weight: float | None = None,
+        tra_catalogue: str = "spec",
     ) -> None:
         self.tra, self.tea = get_tra_mode(tra_mode), get_tea_mode(tea_mode)
         self.tra_mode, self.tea_mode = self.tra.name, self.tea.name
@@ -234,7 +238,9 @@ class AugmentationSetup:
             self.tra_policy = policy_from_file(tra_policy_file, "tra", self.tra_mode)
         else:
             preset = tra_preset if self.tra.preset is None else self.tra.preset
-            self.tra_policy = make_tra_policy(preset, num_groups=num_groups if self.tra.class_specific else 1)
+            self.tra_policy = make_tra_policy(
+                preset, num_groups=num_groups if self.tra.class_specific else 1, catalogue=tra_catalogue
+            )
         if self.tea.from_file:
             self.tea_policy = policy_from_file(tea_policy_file, "tea", self.tea_mode)
         else:

@@ -299,6 +299,7 @@ def _validators() -> dict[str, Any]:
     from jcsaug.engine.modes import TEA_MODES, TRA_MODES
     from jcsaug.engine.tea_updater import TEA_ESTIMATORS, TEA_OP_SCORES
     from jcsaug.engine.tra_updater import TRA_DIRECTIONS, TRA_ESTIMATORS
+    from jcsaug.ops.tra import TRA_CATALOGUES
 
     positive = ("max_epochs", "epoch_length", "tra_update_every", "tea_update_every", "num_tea_copies",
                 "posthoc_iterations", "samples_per_case", "cases_per_batch", "train_cases_per_batch", "val_batch_size",
@@ -319,6 +320,7 @@ def _validators() -> dict[str, Any]:
         "tra_mode": _one_of(TRA_MODES),
         "tea_mode": _one_of(TEA_MODES),
         "tra_estimator": _one_of(TRA_ESTIMATORS),
+        "tra_catalogue": _one_of(TRA_CATALOGUES),
         "tra_direction": _one_of(TRA_DIRECTIONS),
         "tea_estimator": _one_of(TEA_ESTIMATORS),
         "tea_op_score": _one_of(TEA_OP_SCORES),

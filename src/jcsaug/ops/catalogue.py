@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,8 @@ class OpSpec:
         kind: what the op does; selects the parameter sampler (``"scale"``, ``"rotate"``, ...).
         low, high: the magnitude bin ``[low, high)`` the magnitude is drawn from each time.
         signed: the sign of the magnitude is drawn with probability 1/2 each.
+        fixed_sign: ``"+"`` or ``"-"`` for a half of a signed op split in two (:func:`split_signs`): its magnitude
+            always has that sign (``-``: a factor ``(1 + M) ** -1``, a quarter turn of 270 degrees); ``""`` otherwise.
         level: magnitude level inside the series (0 = smallest), used by RandAugment presets;
             ``None`` for ops outside the magnitude ladder (the 90-degree rotation).
         axis: spatial axis the op refers to (rotations, mirrors), see :mod:`jcsaug.ops.axes`.
@@ -26,14 +29,22 @@ class OpSpec:
     signed: bool = False
     level: int | None = 0
     axis: int | None = None
+    fixed_sign: str = ""
+
+    def __post_init__(self) -> None:
+        if self.fixed_sign not in ("", "+", "-") or (self.signed and self.fixed_sign):
+            raise ValueError(f"op {self.name!r}: fixed_sign must be '', '+' or '-', and '' for a signed op")
+
+    @property
+    def negative(self) -> bool:
+        """The magnitude is always negated (the ``-`` half of a split signed op)."""
+        return self.fixed_sign == "-"
 
     def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "magnitude": [self.low, self.high],
-            "signed": self.signed,
-        }
+        out = {"name": self.name, "kind": self.kind, "magnitude": [self.low, self.high], "signed": self.signed}
+        if self.fixed_sign:
+            out["sign"] = self.fixed_sign
+        return out
 
 
 @dataclass(frozen=True)
@@ -63,3 +74,25 @@ class Series:
             return self.op_names.index(name)
         except ValueError:
             raise KeyError(f"series {self.name!r} has no op {name!r}; ops: {self.op_names}") from None
+
+
+def split_signs(series: Sequence[Series]) -> tuple[Series, ...]:
+    """The catalogue with every signed op split in two ops, its ``+`` and its ``-`` half (in that order, next to
+    each other), so that a policy chooses the sign instead of drawing it.
+
+    A name's ``±`` becomes ``+`` / ``-`` (a name without one gets the sign appended: ``rot90+``, ``rot90-``).
+    Level and axis are kept, so a preset that gives a series' ops equal shares (``q / (n - 1)``) or a level's ops
+    its mass (RandAugment) makes the same augmentation distribution as with the sign drawn.
+    """
+    out = []
+    for s in series:
+        ops: list[OpSpec] = []
+        for op in s.ops:
+            if not op.signed:
+                ops.append(op)
+                continue
+            for sign in "+-":
+                name = op.name.replace("±", sign) if "±" in op.name else op.name + sign
+                ops.append(replace(op, name=name, signed=False, fixed_sign=sign))
+        out.append(Series(s.name, tuple(ops)))
+    return tuple(out)

@@ -29,7 +29,7 @@ from monai.transforms.utils import create_rotate, create_scale
 
 from jcsaug.ops import intensity
 from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL, rotation_plane
-from jcsaug.ops.catalogue import OpSpec, Series
+from jcsaug.ops.catalogue import OpSpec, Series, split_signs
 from jcsaug.ops.resample import affine_grid as resample_grid
 from jcsaug.ops.resample import resample, separable_axis
 from jcsaug.registry import Registry
@@ -87,6 +87,32 @@ def _build_series() -> tuple[Series, ...]:
 TRA_SERIES: tuple[Series, ...] = _build_series()
 TRA_SERIES_NAMES: tuple[str, ...] = tuple(s.name for s in TRA_SERIES)
 
+#: TRA catalogue name -> its 15 series. ``spec``: SPEC §2, a signed op draws its sign with probability 1/2 each
+#: time it is applied. ``split-signs``: every signed op split in its ``+`` and ``-`` half (:func:`split_signs`), so
+#: a learned policy can choose the sign (a zoom in, not out; 90 degrees, not 270): the same ops and magnitudes, and
+#: under a ``q``-preset the same initial augmentation distribution, with 32 more logits per class group.
+TRA_CATALOGUES: Registry[tuple[Series, ...]] = Registry("TRA catalogue")
+TRA_CATALOGUES.register("spec", TRA_SERIES)
+TRA_CATALOGUES.register("split-signs", split_signs(TRA_SERIES))
+
+
+def tra_catalogue(name: str) -> tuple[Series, ...]:
+    """The series of the TRA catalogue ``name`` (:data:`TRA_CATALOGUES`; an unknown name lists the known ones)."""
+    return TRA_CATALOGUES.get(name)
+
+
+def tra_catalogue_name(op_names: Sequence[Sequence[str]]) -> str:
+    """The name of the registered catalogue with these op names per series (a policy's ``op_names``), else an
+    error naming the sizes of each catalogue."""
+    wanted = [list(names) for names in op_names]
+    for name, series in TRA_CATALOGUES.items():
+        if wanted == [s.op_names for s in series]:
+            return name
+    known = {name: [s.size for s in series] for name, series in TRA_CATALOGUES.items()}
+    raise ValueError(
+        f"no TRA catalogue has these ops (series sizes {[len(n) for n in wanted]}); the catalogues' sizes: {known}"
+    )
+
 
 @dataclass
 class TRAParams:
@@ -115,7 +141,7 @@ class TRAParams:
 def _magnitude(op: OpSpec, rng: np.random.RandomState) -> float:
     """Stochastic magnitude inside the op's bin, with a random sign for signed ops."""
     value = rng.uniform(op.low, op.high)
-    if op.signed and rng.random_sample() < 0.5:
+    if (op.signed and rng.random_sample() < 0.5) or op.negative:
         value = -value
     return float(value)
 
@@ -131,7 +157,10 @@ def _sample_rotate(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None
 
 
 def _sample_rot90(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:
-    p.rot90.append((op.axis, 1 if rng.random_sample() < 0.5 else 3))
+    if op.signed:
+        p.rot90.append((op.axis, 1 if rng.random_sample() < 0.5 else 3))
+    else:
+        p.rot90.append((op.axis, 3 if op.negative else 1))
 
 
 def _sample_flip(p: TRAParams, op: OpSpec, rng: np.random.RandomState) -> None:

@@ -10,8 +10,17 @@ from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.transforms import MapTransform, Randomizable
 
+from jcsaug.ops.catalogue import Series
 from jcsaug.ops.resample import PADDING_MODES
-from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, apply_tra_batch, replace_series_op, sample_tra_params
+from jcsaug.ops.tra import (
+    TRAParams,
+    apply_tra,
+    apply_tra_batch,
+    replace_series_op,
+    sample_tra_params,
+    tra_catalogue,
+    tra_catalogue_name,
+)
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.transforms import DEFAULT_GROUP_KEY, _group_of
 
@@ -36,12 +45,12 @@ def _rewrap(out: torch.Tensor, src: object) -> torch.Tensor:
     return _plain(out)  # plain in, plain out (MONAI's intensity transforms may return MetaTensors)
 
 
-def _check_tra_policy(policy: CategoricalPolicy, name: str) -> None:
-    if policy.series_sizes != tuple(s.size for s in TRA_SERIES):
-        raise ValueError(
-            f"{name} needs a policy over the 15 TRA series (sizes {[s.size for s in TRA_SERIES]}), "
-            f"got sizes {list(policy.series_sizes)}"
-        )
+def _tra_series_of(policy: CategoricalPolicy, name: str) -> tuple[Series, ...]:
+    """The TRA catalogue the policy's ops are of (by their names), else an error naming the transform."""
+    try:
+        return tra_catalogue(tra_catalogue_name(policy.op_names))
+    except ValueError as err:
+        raise ValueError(f"{name} needs a policy over the 15 TRA series of a TRA catalogue: {err}") from None
 
 
 class TRACascaded(Randomizable, MapTransform):
@@ -96,13 +105,14 @@ class TRACascaded(Randomizable, MapTransform):
         cf_op_key: str = DEFAULT_CF_OP_KEY,
     ) -> None:
         MapTransform.__init__(self, keys, allow_missing_keys)
-        _check_tra_policy(policy, type(self).__name__)
+        #: the catalogue of the policy's ops (``spec`` or ``split-signs``): what a drawn op index means
+        self.series = _tra_series_of(policy, type(self).__name__)
         if int(counterfactuals) < 0:
             raise ValueError(f"counterfactuals must be >= 0, got {counterfactuals}")
         self.counterfactuals = int(counterfactuals)
         self.cf_op_key = cf_op_key
         # every non-identity op of every series as (series, op): the copies draw uniformly from this list
-        self._explorable = [(s, j) for s, series in enumerate(TRA_SERIES) for j in range(1, series.size)]
+        self._explorable = [(s, j) for s, series in enumerate(self.series) for j in range(1, series.size)]
         self.policy = policy
         self.label_keys = [label_keys] if isinstance(label_keys, str) else list(label_keys)
         self.group_key = group_key
@@ -115,7 +125,7 @@ class TRACascaded(Randomizable, MapTransform):
 
     def randomize(self, data: Mapping) -> tuple[np.ndarray, TRAParams]:
         choices = self.policy.sample_ops(_group_of(data, self.group_key, self.policy), self.R)
-        return choices, sample_tra_params(choices, self.R)
+        return choices, sample_tra_params(choices, self.R, self.series)
 
     def randomize_counterfactuals(self, choices: np.ndarray, params: TRAParams) -> list[tuple[int, int, TRAParams]]:
         """The K counterfactual copies: ``(series, op of the copy, its params)`` (see ``counterfactuals``)."""
@@ -124,7 +134,7 @@ class TRACascaded(Randomizable, MapTransform):
             series, op = self._explorable[int(self.R.randint(len(self._explorable)))]
             if int(choices[series]) != 0:
                 op = 0
-            out.append((series, op, replace_series_op(params, series, op, self.R)))
+            out.append((series, op, replace_series_op(params, series, op, self.R, self.series)))
         return out
 
     def __call__(self, data: Mapping) -> dict:
@@ -212,8 +222,8 @@ class BatchTRACascaded(TRACascaded):
         for g in groups:  # the per-sample cascade's calls, sample by sample
             c = self.policy.sample_ops(g, self.R)
             choices.append(c)
-            params.append(sample_tra_params(c, self.R))
-        return np.stack(choices) if choices else np.zeros((0, len(TRA_SERIES)), np.int64), params
+            params.append(sample_tra_params(c, self.R, self.series))
+        return np.stack(choices) if choices else np.zeros((0, len(self.series)), np.int64), params
 
     def __call__(self, data: Mapping) -> dict:
         d = dict(data)

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from jcsaug.ops.tra import TRA_SERIES
+from jcsaug.ops.tra import tra_catalogue
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.presets import series_probs, tea_probs
 
 
 def make_tra_policy(
-    preset: str | Mapping[str, float | Sequence[float]] = "nnunet", num_groups: int = 2
+    preset: str | Mapping[str, float | Sequence[float]] = "nnunet", num_groups: int = 2, catalogue: str = "spec"
 ) -> CategoricalPolicy:
     """A TRA policy over the 15 series of SPEC §2, the same initial probabilities for every group.
 
     ``preset``: a name (:func:`~jcsaug.policy.list_tra_presets`) or a mapping series -> probability of applying
-    an op (or a full probability vector).
+    an op (or a full probability vector). ``catalogue``: a name of :data:`jcsaug.ops.tra.TRA_CATALOGUES`: ``spec``
+    (a signed op draws its sign) or ``split-signs`` (its two signs are two ops, so the policy learns the sign).
 
     Example::
 
@@ -26,12 +27,13 @@ def make_tra_policy(
         >>> [round(float(p), 3) for p in policy.probabilities()[gamma][1]]  # identity 1 - q, q = 0.3 shared
         [0.7, 0.1, 0.1, 0.1]
     """
+    series = tra_catalogue(catalogue)
     return CategoricalPolicy(
-        [s.size for s in TRA_SERIES],
+        [s.size for s in series],
         num_groups=num_groups,
-        init_probs=series_probs(preset, TRA_SERIES),
-        series_names=[s.name for s in TRA_SERIES],
-        op_names=[s.op_names for s in TRA_SERIES],
+        init_probs=series_probs(preset, series),
+        series_names=[s.name for s in series],
+        op_names=[s.op_names for s in series],
     )
 
 

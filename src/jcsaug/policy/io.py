@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from jcsaug.ops.tra import tra_catalogue_name
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
 from jcsaug.utils import atomic_write_text
@@ -203,6 +204,16 @@ def _logits_of(ops: object, expected_names: list[str], where: str, ids: bool = F
     return logits
 
 
+def _tra_catalogue_in(groups: object) -> str:
+    """The TRA catalogue whose op names the file's first group lists; ``spec`` when they name none (or are
+    malformed), so that the checks below report what is wrong against SPEC's catalogue."""
+    try:
+        names = [[op["name"] for op in entry["ops"]] for entry in groups[0]["series"]]
+        return tra_catalogue_name(names)
+    except (KeyError, TypeError, IndexError, ValueError):
+        return "spec"
+
+
 def load_policies(path: str | Path) -> tuple[CategoricalPolicy | None, CategoricalPolicy | None]:
     """Rebuild ``(tra, tea)`` from a ``policies.json`` (either may be ``None`` if absent).
 
@@ -243,7 +254,7 @@ def load_policies(path: str | Path) -> tuple[CategoricalPolicy | None, Categoric
         stated = data["tra"].get("num_groups", len(groups))
         if isinstance(stated, bool) or stated != len(groups):
             raise ValueError(f"{path}: 'tra': 'num_groups' is {stated!r} but {len(groups)} groups are listed")
-        tra = make_tra_policy("uniform", num_groups=len(groups))
+        tra = make_tra_policy("uniform", num_groups=len(groups), catalogue=_tra_catalogue_in(groups))
         rows = []
         for g, group in enumerate(groups):
             _known_keys(group, _GROUP_KEYS, f"{path}: TRA group {g}")

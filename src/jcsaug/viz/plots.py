@@ -108,34 +108,38 @@ def _segment_label(series: str, op_name: str) -> str:
     """Short label of a TRA op inside its series' bar: ``id``, a magnitude level, ``90°``, ``flip``."""
     if op_name == "identity":
         return "id"
-    from jcsaug.ops.tra import TRA_SERIES  # noqa: PLC0415
+    from jcsaug.ops.tra import TRA_CATALOGUES  # noqa: PLC0415
 
-    for s in TRA_SERIES:
-        if s.name == series:
-            op = s.ops[s.index_of(op_name) - 1]
-            if op.kind == "rot90":
-                return "90°"
-            if op.kind == "flip":
-                return "flip"
-            prefix = _KIND_SHORT.get(op.kind, "")[:1]
-            return f"{prefix}{op.level + 1}" if op.level is not None else op_name
+    for _, catalogue in TRA_CATALOGUES.items():
+        for s in catalogue:
+            if s.name == series and op_name in s.op_names:
+                op = s.ops[s.index_of(op_name) - 1]
+                sign = op.fixed_sign
+                if op.kind == "rot90":
+                    return "90°" + sign
+                if op.kind == "flip":
+                    return "flip"
+                prefix = _KIND_SHORT.get(op.kind, "")[:1]
+                return f"{prefix}{op.level + 1}{sign}" if op.level is not None else op_name
     return op_name
 
 
-def tra_short_name(series_index: int, op_index: int) -> str:
-    """Short name of TRA op ``op_index`` of series ``series_index``, e.g. ``sc2``, ``rotF90``, ``mirS``."""
-    from jcsaug.ops.tra import TRA_SERIES  # noqa: PLC0415
+def tra_short_name(series_index: int, op_index: int, catalogue: str = "spec") -> str:
+    """Short name of TRA op ``op_index`` of series ``series_index`` of a TRA catalogue, e.g. ``sc2``, ``rotF90``,
+    ``mirS`` (``split-signs``: the sign after it, ``sc2-``)."""
+    from jcsaug.ops.tra import tra_catalogue  # noqa: PLC0415
 
-    s = TRA_SERIES[series_index]
+    s = tra_catalogue(catalogue)[series_index]
     op = s.op(int(op_index))
     if op is None:
         return "id"
     base = _SERIES_SHORT.get(s.name, s.name) or _KIND_SHORT.get(op.kind, op.kind)
+    sign = op.fixed_sign
     if op.kind == "rot90":
-        return f"{base}90"
+        return f"{base}90{sign}"
     if op.kind == "flip" or op.level is None:
         return base
-    return f"{base}{op.level + 1}"
+    return f"{base}{op.level + 1}{sign}"
 
 
 # ----------------------------------------------------------------------------- policy figure
@@ -449,7 +453,7 @@ def ops_gallery(
     import torch  # noqa: PLC0415
 
     from jcsaug.ops.tea import TEA_OPS  # noqa: PLC0415
-    from jcsaug.ops.tra import apply_tra, sample_tra_params  # noqa: PLC0415
+    from jcsaug.ops.tra import apply_tra, sample_tra_params, tra_catalogue, tra_catalogue_name  # noqa: PLC0415
     from jcsaug.policy.factory import make_tra_policy  # noqa: PLC0415
 
     if slice_axis not in (0, 1, 2):
@@ -470,15 +474,16 @@ def ops_gallery(
             tea_tiles.append((_middle_slice(out, slice_axis), _split_name(f"{op.id} {op.name}")))
 
     policy = tra_policy if tra_policy is not None else make_tra_policy("nnunet", 2)
+    catalogue = tra_catalogue_name(policy.op_names)
     rng = np.random.RandomState(seed)
     tra_tiles = []
     with torch.no_grad():
         for g in range(policy.num_groups):
             for d in range(max(0, int(tra_draws))):
                 choices = policy.sample_ops(g, rng)
-                params = sample_tra_params(choices, rng)
+                params = sample_tra_params(choices, rng, tra_catalogue(catalogue))
                 out = apply_tra({"image": x}, {}, params)[0]["image"][0].numpy()
-                ops = [tra_short_name(s, c) for s, c in enumerate(choices) if c != 0]
+                ops = [tra_short_name(s, c, catalogue) for s, c in enumerate(choices) if c != 0]
                 tra_tiles.append((_middle_slice(out, slice_axis), f"g{g} #{d + 1}\n" + _wrap(ops or ["identity"])))
 
     fig = _new_figure(gallery_figsize(len(tea_tiles), len(tra_tiles), ncols), dpi, layout=None)
