@@ -370,25 +370,29 @@ def print_breakdown(t: dict[str, float], iterations: int, clock_name: str) -> No
 
 
 # ---------------------------------------------------------------------------------------------- 5. options
-def synthetic_tra_settings(config: Path = SYNTHETIC_TRAIN) -> tuple[dict, int, str]:
+def synthetic_tra_settings(config: Path = SYNTHETIC_TRAIN) -> tuple[dict, int, str, str]:
     """The synthetic bundle's TRA estimator settings as ``TRAPolicyUpdater`` arguments, read from its
-    ``train.yaml`` (so that section 5's default row follows the bundle), its counterfactual copies K and a label."""
+    ``train.yaml`` (so that section 5's default row follows the bundle), its counterfactual copies K, its TRA
+    catalogue (``tra_catalogue``: the policy's ops) and a label."""
     cfg = yaml.safe_load(config.read_text())
     kwargs = {"estimator": cfg["tra_estimator"], "val_batches": int(cfg["val_batches"]), "val_loss": cfg["val_loss"],
               "lookahead": float(cfg["tra_lookahead"]), "direction": cfg["tra_direction"],
               "hypergradient": cfg["hypergradient"]}  # fmt: skip
     copies = int(cfg["tra_counterfactuals"])
+    catalogue = cfg.get("tra_catalogue", "spec")
     label = (f"{kwargs['estimator']} K={copies}, {kwargs['val_batches']} val batches, {kwargs['val_loss']} L_val, "
-             f"look-ahead {cfg['tra_lookahead']}, {kwargs['direction']}")  # fmt: skip
-    return kwargs, copies, label
+             f"look-ahead {cfg['tra_lookahead']}, {kwargs['direction']}, {catalogue} catalogue")  # fmt: skip
+    return kwargs, copies, catalogue, label
 
 
-SYNTHETIC_TRA, SYNTHETIC_TRA_COPIES, SYNTHETIC_TRA_NAME = synthetic_tra_settings()
+SYNTHETIC_TRA, SYNTHETIC_TRA_COPIES, SYNTHETIC_TRA_CATALOGUE, SYNTHETIC_TRA_NAME = synthetic_tra_settings()
 
 #: option -> (updater class, its keyword arguments, counterfactual copies the training batches need)
 # the synthetic bundle's tea_sliding_window predicts its 48³ volumes by 32³ windows (8 windows, 2.4x the voxels);
 # here 24³ windows on the default 32³ patches (8 windows, 3.4x the voxels)
 TEA_WINDOW = SlidingWindowInferer(24, sw_batch_size=8, overlap=0.25, mode="gaussian")
+SYNTHETIC_ROW = f"TRA synthetic default ({SYNTHETIC_TRA_NAME})"
+SYNTHETIC_6_ROW = "TRA synthetic default with 6 val batches (its setting before 2026-11-28)"
 OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TRA gumbel (paper), 1 val batch": (TRAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TRA paired K=1": (TRAPolicyUpdater, {"estimator": "paired"}, 1),
@@ -404,8 +408,8 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
         {"estimator": "paired", "lookahead": 16, "direction": "beyond-training"},
         2,
     ),
-    f"TRA synthetic default ({SYNTHETIC_TRA_NAME})": (TRAPolicyUpdater, SYNTHETIC_TRA, SYNTHETIC_TRA_COPIES),
-    "TRA synthetic default with 6 val batches (its setting before 2026-11-28)": (
+    SYNTHETIC_ROW: (TRAPolicyUpdater, SYNTHETIC_TRA, SYNTHETIC_TRA_COPIES),
+    SYNTHETIC_6_ROW: (
         TRAPolicyUpdater,
         {**SYNTHETIC_TRA, "val_batches": 6},
         SYNTHETIC_TRA_COPIES,
@@ -425,6 +429,10 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
         0,
     ),
 }
+
+
+#: option -> the TRA catalogue of its policy (others: ``spec``): the synthetic bundle's rows use the bundle's
+OPTION_CATALOGUES = {SYNTHETIC_ROW: SYNTHETIC_TRA_CATALOGUE, SYNTHETIC_6_ROW: SYNTHETIC_TRA_CATALOGUE}
 
 
 def with_counterfactuals(batches: list[dict], copies: int, seed: int) -> list[dict]:
@@ -451,7 +459,8 @@ def option_costs(args: argparse.Namespace, init_state: dict, train: list[dict], 
     for name, (cls, kwargs, copies) in OPTIONS.items():
         run = Run(None, init_state, val, args.copies, args.seed)
         if cls is TRAPolicyUpdater:
-            updater = cls(make_tra_policy("nnunet", 2), run.model, val, run.optimizer, lr=TRA_LR, **kwargs)
+            policy = make_tra_policy("nnunet", 2, catalogue=OPTION_CATALOGUES.get(name, "spec"))
+            updater = cls(policy, run.model, val, run.optimizer, lr=TRA_LR, **kwargs)
         else:
             updater = cls(make_tea_policy("nnunet"), run.model, val, lr=TEA_LR, num_copies=args.copies, **kwargs)
         updater.attach(run.engine)

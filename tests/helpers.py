@@ -23,6 +23,16 @@ CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" /
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def synthetic_tra_policy(preset: str = "nnunet", num_groups: int = 2):
+    """A TRA policy of the synthetic bundle's own catalogue (its ``tra_catalogue``), as its runs build them."""
+    import yaml
+
+    from jcsaug.policy import make_tra_policy
+
+    catalogue = yaml.safe_load((CONFIGS / "train.yaml").read_text())["tra_catalogue"]
+    return make_tra_policy(preset, num_groups, catalogue=catalogue)
+
+
 def load_benchmark(name: str) -> ModuleType:
     """Import ``benchmarks/<name>.py`` (a script folder, not a package) as a module, with the folder on ``sys.path``
     as when the script runs (a benchmark may import a sibling's helpers)."""

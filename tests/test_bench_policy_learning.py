@@ -22,17 +22,20 @@ def test_section_5_times_the_bundles_own_tra_settings(bench, tmp_path):
     and the former 6-batch setting is timed beside it."""
     parser = ConfigParser()
     parser.read_config(CONFIGS / "train.yaml")
-    kwargs, copies, label = bench.synthetic_tra_settings(CONFIGS / "train.yaml")
+    kwargs, copies, catalogue, label = bench.synthetic_tra_settings(CONFIGS / "train.yaml")
     assert kwargs == {"estimator": parser["tra_estimator"], "val_batches": parser["val_batches"],
                       "val_loss": parser["val_loss"], "lookahead": parser["tra_lookahead"],
                       "direction": parser["tra_direction"], "hypergradient": parser["hypergradient"]}  # fmt: skip
     assert copies == parser["tra_counterfactuals"] and f"{parser['val_batches']} val batches" in label
-    rows = [row for name, row in bench.OPTIONS.items() if "synthetic default" in name]
-    assert sorted(kw["val_batches"] for _, kw, _ in rows) == sorted([parser["val_batches"], 6])
-    assert all(cls is TRAPolicyUpdater and k == copies for cls, _, k in rows)
+    assert catalogue == parser["tra_catalogue"] and f"{catalogue} catalogue" in label
+    rows = {name: row for name, row in bench.OPTIONS.items() if "synthetic default" in name}
+    assert sorted(kw["val_batches"] for _, kw, _ in rows.values()) == sorted([parser["val_batches"], 6])
+    assert all(cls is TRAPolicyUpdater and k == copies for cls, _, k in rows.values())
+    assert {bench.OPTION_CATALOGUES[name] for name in rows} == {catalogue}  # their policies are the bundle's
     # the arguments are the updater's own: it takes them as they are
     model = tiny_unet()
-    TRAPolicyUpdater(make_tra_policy("nnunet", 2), model, [], torch.optim.SGD(model.parameters(), lr=0.01), **kwargs)
+    policy = make_tra_policy("nnunet", 2, catalogue=catalogue)
+    TRAPolicyUpdater(policy, model, [], torch.optim.SGD(model.parameters(), lr=0.01), **kwargs)
     # another bundle setting reaches the row
     edited = tmp_path / "train.yaml"
     edited.write_text((CONFIGS / "train.yaml").read_text().replace(

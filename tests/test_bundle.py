@@ -12,8 +12,8 @@ import pytest
 import torch
 from scipy import ndimage
 
-from helpers import run_bundle, small_dataset
-from jcsaug.policy import make_tea_policy, make_tra_policy
+from helpers import run_bundle, small_dataset, synthetic_tra_policy
+from jcsaug.policy import make_tea_policy
 from jcsaug.policy.io import load_policies
 
 
@@ -111,7 +111,7 @@ def test_tra_cascade_on_the_device(tmp_path):
     updates = json.loads((tmp_path / "run" / "metrics.json").read_text())["policy_updates"]
     assert updates["TRA"]["updates"] == 2, updates  # the op record reached the updater
     tra, _ = load_policies(tmp_path / "run" / "policies.json")
-    assert not torch.allclose(tra.logits, make_tra_policy("nnunet", 2).logits)
+    assert not torch.allclose(tra.logits, synthetic_tra_policy().logits)
 
 
 def test_keep_largest_component_validation_is_chosen_after_training_and_read_by_evaluate(tmp_path):

@@ -10,11 +10,11 @@ from monai.data import Dataset
 from monai.transforms import Randomizable
 from torch.utils.data import DataLoader
 
-from helpers import run_bundle, small_dataset
+from helpers import run_bundle, small_dataset, synthetic_tra_policy
 from jcsaug.engine import EpochReseeder, ResumeCheckpoint, StopAfterEpochs, TEAPolicyUpdater
 from jcsaug.engine.base import ValidationStream
 from jcsaug.engine.checkpoints import read_checkpoint, save_checkpoint_atomic, save_state_atomic
-from jcsaug.policy import make_tea_policy, make_tra_policy
+from jcsaug.policy import make_tea_policy
 
 
 def _state(run_dir):
@@ -33,7 +33,7 @@ def test_stop_and_resume_equals_straight_run(tmp_path):
     run_bundle(tmp_path, "train.yaml", output_dir=resumed, resume=True, **common)
 
     a, b = _state(straight), _state(resumed)
-    initial = {"tra_updater": make_tra_policy("nnunet", 2).logits, "tea_updater": make_tea_policy("nnunet").logits}
+    initial = {"tra_updater": synthetic_tra_policy().logits, "tea_updater": make_tea_policy("nnunet").logits}
     assert a["trainer"]["iteration"] == b["trainer"]["iteration"] == 6
     for key, tensor in a["network"].items():
         assert torch.equal(tensor, b["network"][key]), key

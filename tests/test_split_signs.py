@@ -80,6 +80,9 @@ def test_the_catalogue_is_known_from_a_policys_op_names_and_an_unknown_one_is_na
     assert tra_catalogue_name(make_tra_policy("nnunet", 2, catalogue="split-signs").op_names) == "split-signs"
     with pytest.raises(ValueError, match="no TRA catalogue"):
         tra_catalogue_name([["identity", "a"]])
+    # a policy whose ops are not named as a catalogue's: the catalogue of its series sizes
+    unnamed = [[f"op{j}" for j in range(s.size)] for s in SPLIT]
+    assert tra_catalogue_name(unnamed) == "split-signs"
     with pytest.raises(KeyError, match="split-signs"):
         make_tra_policy("nnunet", 2, catalogue="split")
 

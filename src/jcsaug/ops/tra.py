@@ -102,12 +102,16 @@ def tra_catalogue(name: str) -> tuple[Series, ...]:
 
 
 def tra_catalogue_name(op_names: Sequence[Sequence[str]]) -> str:
-    """The name of the registered catalogue with these op names per series (a policy's ``op_names``), else an
+    """The name of the registered catalogue with these op names per series (a policy's ``op_names``); for a policy
+    whose ops are not named so (e.g. a plain ``CategoricalPolicy``), the one catalogue of these series sizes; else an
     error naming the sizes of each catalogue."""
     wanted = [list(names) for names in op_names]
     for name, series in TRA_CATALOGUES.items():
         if wanted == [s.op_names for s in series]:
             return name
+    by_size = [name for name, series in TRA_CATALOGUES.items() if [len(n) for n in wanted] == [s.size for s in series]]
+    if len(by_size) == 1:
+        return by_size[0]
     known = {name: [s.size for s in series] for name, series in TRA_CATALOGUES.items()}
     raise ValueError(
         f"no TRA catalogue has these ops (series sizes {[len(n) for n in wanted]}); the catalogues' sizes: {known}"
