@@ -115,11 +115,12 @@ BASELINE = "heuristic+mirror"
 
 def op_names_in(op_names: list[str], op: str) -> list[str]:
     """The names a series' ``op_names`` give SPEC's op ``op``: itself, or in the ``split-signs`` catalogue its
-    ``+`` and ``-`` halves (``scale±[0.4,0.5)`` -> ``scale+[0.4,0.5)``, ``scale-[0.4,0.5)``; ``rot90`` -> ``rot90+``,
-    ``rot90-``)."""
+    ``+`` and ``-`` halves (:func:`jcsaug.ops.catalogue.half_names`)."""
+    from jcsaug.ops.catalogue import half_names
+
     if op in op_names:
         return [op]
-    halves = [op.replace("±", sign) if "±" in op else op + sign for sign in "+-"]
+    halves = list(half_names(op))
     if not all(h in op_names for h in halves):
         raise KeyError(f"no op {op!r} (or its signed halves) among {op_names}")
     return halves
@@ -321,27 +322,26 @@ def threads_per_run(jobs: int, threads: int = 0) -> int:
     return threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
 
 
-def tra_probability(policies: dict, series: str, op: str) -> list[float]:
-    """The op's final probability in every class group (``split-signs``: the sum of its two halves)."""
+def tra_op_probabilities(policies: dict, series: str, op: str) -> list[list[float]]:
+    """Per class group, the final probabilities of the names the run's catalogue gives the op (:func:`op_names_in`:
+    the op itself, or its ``+`` and ``-`` halves)."""
     out = []
     for group in policies["tra"]["groups"]:
         entry = next(s for s in group["series"] if s["series"] == series)
         by_name = {o["name"]: o["probability"] for o in entry["ops"]}
-        out.append(sum(by_name[name] for name in op_names_in(list(by_name), op)))
+        out.append([by_name[name] for name in op_names_in(list(by_name), op)])
     return out
+
+
+def tra_probability(policies: dict, series: str, op: str) -> list[float]:
+    """The op's final probability in every class group (``split-signs``: the sum of its two halves)."""
+    return [sum(probs) for probs in tra_op_probabilities(policies, series, op)]
 
 
 def tra_halves(policies: dict, series: str, op: str) -> list[tuple[float, float]] | None:
     """``(+, -)`` final probabilities of a signed op's halves per class group in a ``split-signs`` run, else None."""
-    out = []
-    for group in policies["tra"]["groups"]:
-        entry = next(s for s in group["series"] if s["series"] == series)
-        by_name = {o["name"]: o["probability"] for o in entry["ops"]}
-        names = op_names_in(list(by_name), op)
-        if len(names) != 2:
-            return None
-        out.append((by_name[names[0]], by_name[names[1]]))
-    return out
+    groups = tra_op_probabilities(policies, series, op)
+    return [(plus, minus) for plus, minus in groups] if all(len(probs) == 2 for probs in groups) else None
 
 
 def tea_ranks(policies: dict) -> dict[str, int]:

@@ -76,13 +76,21 @@ class Series:
             raise KeyError(f"series {self.name!r} has no op {name!r}; ops: {self.op_names}") from None
 
 
+def half_names(name: str) -> tuple[str, str]:
+    """The names of a signed op's ``+`` and ``-`` halves: its ``±`` replaced by the sign, or the sign appended to a
+    name without one (``scale±[0.4,0.5)`` -> ``scale+[0.4,0.5)``, ``scale-[0.4,0.5)``; ``rot90`` -> ``rot90+``,
+    ``rot90-``)."""
+    plus, minus = (name.replace("±", sign) if "±" in name else name + sign for sign in "+-")
+    return plus, minus
+
+
 def split_signs(series: Sequence[Series]) -> tuple[Series, ...]:
     """The catalogue with every signed op split in two ops, its ``+`` and its ``-`` half (in that order, next to
     each other), so that a policy chooses the sign instead of drawing it.
 
-    A name's ``±`` becomes ``+`` / ``-`` (a name without one gets the sign appended: ``rot90+``, ``rot90-``).
-    Level and axis are kept, so a preset that gives a series' ops equal shares (``q / (n - 1)``) or a level's ops
-    its mass (RandAugment) makes the same augmentation distribution as with the sign drawn.
+    The halves are named by :func:`half_names`. Level and axis are kept, so a preset that gives a series' ops equal
+    shares (``q / (n - 1)``) or a level's ops its mass (RandAugment) makes the same augmentation distribution as
+    with the sign drawn.
     """
     out = []
     for s in series:
@@ -91,8 +99,7 @@ def split_signs(series: Sequence[Series]) -> tuple[Series, ...]:
             if not op.signed:
                 ops.append(op)
                 continue
-            for sign in "+-":
-                name = op.name.replace("±", sign) if "±" in op.name else op.name + sign
+            for sign, name in zip("+-", half_names(op.name)):
                 ops.append(replace(op, name=name, signed=False, fixed_sign=sign))
         out.append(Series(s.name, tuple(ops)))
     return tuple(out)
