@@ -267,6 +267,26 @@ def test_good_presets_fractions_and_policy_files_pass(tmp_path):
                    tra_policy=policies)  # fmt: skip
 
 
+def test_a_preset_mapping_is_checked_in_the_runs_tra_catalogue():
+    """A mapping sized for ``split-signs`` (the zoom's 11 choices: identity and 5 bins x 2 signs) passes with that
+    catalogue and is refused with ``spec`` (6 choices), naming the catalogue; a ``spec`` mapping the other way round.
+    (The learning-quality benchmark's oracle under ``split-signs`` was refused here before the run.)"""
+    split = {"base": "nnunet", "scale": [0.5] + [0.0] * 9 + [0.5]}
+    spec = {"base": "nnunet", "scale": [0.5, 0, 0, 0, 0, 0.5]}
+    check_settings(argv=[], tra_preset=split, tra_catalogue="split-signs")
+    check_settings(argv=[], tra_preset=spec, tra_catalogue="spec")
+    check_settings(argv=[], tra_preset=spec)  # no catalogue given: the default, spec
+    for preset, catalogue, size in ((split, "spec", 6), (spec, "split-signs", 11)):
+        with pytest.raises(PreflightError) as err:
+            check_settings(argv=[], tra_preset=preset, tra_catalogue=catalogue)
+        assert str(err.value) == (f"bad settings:\n  --tra_preset {preset!r}: series 'scale': expected {size} "
+                                  f"non-negative probabilities, got {preset['scale']} (in the tra_catalogue "
+                                  f"{catalogue!r})")  # fmt: skip
+    with pytest.raises(PreflightError) as err:  # a bad catalogue is reported once, the preset not checked against it
+        check_settings(argv=[], tra_preset=split, tra_catalogue="signs")
+    assert str(err.value).count("\n") == 1 and "--tra_catalogue 'signs'" in str(err.value)
+
+
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [

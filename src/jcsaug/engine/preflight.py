@@ -235,18 +235,27 @@ def _optional_patch_size(value: Any) -> str | None:
     return reason and f"{reason}, or None"
 
 
+def _tra_preset_problem(value: Mapping, catalogue: str) -> str | None:
+    """Why :func:`~jcsaug.policy.make_tra_policy` builds no policy from the preset mapping in ``catalogue``."""
+    from jcsaug.policy.factory import make_tra_policy
+
+    try:
+        make_tra_policy(value, num_groups=1, catalogue=catalogue)
+    except (KeyError, TypeError, ValueError) as err:
+        return str(err.args[0]) if err.args else str(err)  # a KeyError's str() quotes its message
+    return None
+
+
 def _tra_preset(value: Any) -> str | None:
     """A TRA preset name, or a mapping series -> probability: whatever :func:`~jcsaug.policy.make_tra_policy` builds
-    a policy from (as the run will)."""
-    from jcsaug.policy.factory import make_tra_policy
+    a policy from (as the run will) in one of the TRA catalogues (which one the run uses, ``tra_catalogue``, is
+    checked with it: :func:`_relation_problems`; named here: SPEC's problem)."""
+    from jcsaug.ops.tra import TRA_CATALOGUES
     from jcsaug.policy.presets import TRA_PRESETS
 
     if isinstance(value, Mapping):
-        try:
-            make_tra_policy(value, num_groups=1)
-        except (KeyError, TypeError, ValueError) as err:
-            return str(err.args[0]) if err.args else str(err)  # a KeyError's str() quotes its message
-        return None
+        problems = [_tra_preset_problem(value, catalogue) for catalogue in TRA_CATALOGUES.names()]
+        return None if None in problems else _tra_preset_problem(value, "spec")
     reason = _registered(TRA_PRESETS)(value)
     return reason and f"{reason}, or a mapping series -> probability"
 
@@ -380,6 +389,8 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
     * the paired TRA estimator needs at least one counterfactual copy;
     * the classes ``keep_largest_component`` names are foreground classes ``1..num_classes-1``;
     * a ``tea_identity_weight`` needs ``tea_z`` >= 2 (the identity and at least one op);
+    * a ``tra_preset`` mapping gives each series it names the probabilities of the run's ``tra_catalogue``
+      (``spec`` when not given; ``split-signs`` has more ops in a series with signed ones);
     * a ``fixed`` mode's (``from_file``) ``tra_policy`` / ``tea_policy`` must exist and hold its policy, as
       :class:`~jcsaug.engine.AugmentationSetup` requires (no file at all: it says so itself when a training run
       builds it); a file given to another mode is ignored there: a warning.
@@ -423,6 +434,12 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
             f"--tea_z {settings['tea_z']!r}: with a tea_identity_weight ({weight!r}) the learned TTA holds the "
             "identity and at least one op: tea_z must be >= 2"
         )
+    preset, catalogue = settings.get("tra_preset"), settings.get("tra_catalogue", "spec")
+    catalogue_ok = "tra_catalogue" not in settings or valid("tra_catalogue")  # not given: the setup's default
+    if isinstance(preset, Mapping) and valid("tra_preset") and catalogue_ok:
+        reason = _tra_preset_problem(preset, catalogue)
+        if reason:
+            problems.append(f"--tra_preset {preset!r}: {reason} (in the tra_catalogue {catalogue!r})")
     for which, mode in (("tra", tra), ("tea", tea)):
         problems += _policy_file_problems(which, mode, settings, valid)
     if valid("keep_largest_component") and valid("num_classes"):  # 'task': the TaskSpec checks its own classes
