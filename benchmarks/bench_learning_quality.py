@@ -26,7 +26,8 @@ run``) on the synthetic dataset of ``--shift`` (generated once under ``--out``),
 * ``heuristic+mirror``: nnU-Net's heuristic TRA, nnU-Net's 8-flip mirroring TTA (the baseline);
 * ``class-specific+joint``: the bundle's defaults: class-specific TRA and TEA learned jointly;
 * ``oracle+mirror``: heuristic TRA with the ops that undo the shift set by hand (each such series: identity
-  0.5, the op 0.5; random-sign "partial" ops keep the preset), *read from the dataset's own metadata*
+  0.5, the op 0.5; random-sign "partial" ops keep the preset, but in the ``split-signs`` catalogue the half that
+  reproduces the shift is exact and set), *read from the dataset's own metadata*
   (``dataset.json`` ``domain_shift.undone_by``), and mirroring TTA: what knowing the answer is worth at training
   time (the TRA's ceiling);
 * ``oracle-partial+mirror``: the oracle with the random-sign "partial" ops set as well (a shift whose only aspect
@@ -55,7 +56,9 @@ run also gives *learned TRA without TTA* and a ``heuristic+mirror`` run *heurist
 test Dice per seed, mean ± sd, the differences against ``heuristic+mirror`` and the share of the oracle's gain;
 the final probability of every TRA op that undoes the shift in each class group; the rank of the TEA ops that
 undo it; the wall time of each run. Targets (issue 10): joint - heuristic+mirror >= 6 Dice points; learned TRA
-without TTA - heuristic without TTA >= 4; each undoing TRA op >= 0.3 in both class groups; each aspect of the
+without TTA - heuristic without TTA >= 4; each undoing TRA op >= 0.3 in both class groups (a random-sign op: in
+a ``split-signs`` run its half that reproduces the shift; none with ``spec``, whose draws of it half go the other
+way); each aspect of the
 shift undone by one of the TEA policy's top ``--tea-z`` ops; printed ``N/A`` (with no shares) when the oracle gains
 under :data:`MIN_ORACLE_GAIN` on the shift (knowing the answer is worth nothing there, as on ``--shift blur``). A
 Markdown table goes to ``--out``.
@@ -126,21 +129,36 @@ def op_names_in(op_names: list[str], op: str) -> list[str]:
     return halves
 
 
+def exact_op_names(op_names: list[str], entry: dict) -> list[str] | None:
+    """The names a series' ``op_names`` give a shift-undoing TRA op (an entry of ``undone_by["tra"]``) when their
+    draws all reproduce the shift: the op itself; for a random-sign ("partial") op, in the ``split-signs`` catalogue
+    the half its ``sign`` names; ``None`` where its sign is drawn (``spec``, or a dataset written before the sign
+    was recorded)."""
+    names = op_names_in(op_names, entry["op"])
+    if not entry.get("partial"):
+        return names
+    if len(names) == 2 and entry.get("sign") in ("+", "-"):
+        return [names["+-".index(entry["sign"])]]  # op_names_in gives the halves in (+, -) order
+    return None
+
+
 def oracle_preset(undone_by: dict, partial: bool = False, catalogue: str = "spec") -> dict:
-    """The nnU-Net preset with every series holding a shift-undoing op set to identity 0.5, that op 0.5 (in the
-    ``split-signs`` catalogue its two halves 0.25 each: the same draws); the random-sign ("partial") ops only with
-    ``partial`` (half their draws go against the shift)."""
+    """The nnU-Net preset with every series holding a shift-undoing op set to identity 0.5, that op 0.5
+    (:func:`exact_op_names`; in the ``split-signs`` catalogue a random-sign op's half that reproduces the shift);
+    the random-sign ("partial") ops whose sign the catalogue draws only with ``partial`` (half their draws go
+    against the shift; in ``split-signs`` their two halves 0.25 each: the same draws)."""
     from jcsaug.ops.tra import tra_catalogue
 
     preset: dict = {"base": "nnunet"}
     by_name = {s.name: s for s in tra_catalogue(catalogue)}
     for entry in undone_by["tra"]:
-        if entry.get("partial") and not partial:
-            continue
         series = by_name[entry["series"]]
+        names = exact_op_names(series.op_names, entry)
+        if names is None and not partial:
+            continue
+        names = names or op_names_in(series.op_names, entry["op"])
         probs = [0.0] * series.size
         probs[0] = 0.5
-        names = op_names_in(series.op_names, entry["op"])
         for name in names:
             probs[series.index_of(name)] = 0.5 / len(names)
         preset[entry["series"]] = probs
@@ -322,6 +340,12 @@ def threads_per_run(jobs: int, threads: int = 0) -> int:
     return threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
 
 
+def tra_series_op_names(policies: dict, series: str) -> list[str]:
+    """The op names of a run's TRA ``series`` (its catalogue's: ``spec`` or ``split-signs``)."""
+    entry = next(s for s in policies["tra"]["groups"][0]["series"] if s["series"] == series)
+    return [o["name"] for o in entry["ops"]]
+
+
 def tra_op_probabilities(policies: dict, series: str, op: str) -> list[list[float]]:
     """Per class group, the final probabilities of the names the run's catalogue gives the op (:func:`op_names_in`:
     the op itself, or its ``+`` and ``-`` halves)."""
@@ -421,11 +445,19 @@ def undoing_op_report(
             if all(h is not None for h in halves):  # split-signs: which sign the policy chose
                 lines[-1] += " (+ / - halves: " + "; ".join(
                     ", ".join(f"{a:.2f} / {b:.2f}" for a, b in groups) for groups in halves) + ")"  # fmt: skip
-            if entry.get("partial"):  # a random-sign op: half its draws undo the shift (reported, no target)
+            exact = {tuple(names) for s in seeds if (names := exact_op_names(
+                tra_series_op_names(results[(mode, s)]["policies"], entry["series"]), entry)) is not None}  # fmt: skip
+            if len(exact) != 1:  # a random-sign op: half its draws undo the shift (reported, no target)
                 lines[-1] += " (partial: its sign is drawn; no target)"
                 continue
+            op = entry["op"]
+            if exact != {(op,)}:  # split-signs: the half that reproduces the shift is the op judged
+                (op,) = exact.pop()
+                probs = [tra_probability(results[(mode, s)]["policies"], entry["series"], op) for s in seeds]
+                text = "; ".join(", ".join(f"{p:.2f}" for p in groups) for groups in probs)
+                lines.append(f"- {mode}: TRA `{entry['series']}/{op}` (the half that reproduces the shift): {text}")
             met = min(statistics.mean(p[g] for p in probs) for g in range(len(probs[0]))) >= 0.3
-            checks.append((f"{mode}: TRA {entry['series']}/{entry['op']} >= 0.3 in every group (mean over seeds)",
+            checks.append((f"{mode}: TRA {entry['series']}/{op} >= 0.3 in every group (mean over seeds)",
                            met, tra_gain))  # fmt: skip
         if get_tea_mode(MODES[mode]["tea_mode"]).joint:
             for aspect in undone_by["tea"]:

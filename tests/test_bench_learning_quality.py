@@ -208,6 +208,36 @@ def test_ranks_are_reported_for_every_mode_that_learns_its_tea_and_probabilities
     assert by_text["class-specific+joint: TRA mirror_sagittal/flip >= 0.3 in every group (mean over seeds)"]
 
 
+def test_a_random_sign_op_is_judged_by_its_half_in_a_split_signs_run_and_not_at_all_with_spec(bench):
+    """The zoom's magnifying half at 0.5 / 0.4 (its shrinking half 0): a target met in a ``split-signs`` run; in a
+    ``spec`` run the signed op is reported without a target (half its draws shrink)."""
+    undone_by = shift_undoing_ops({"scale": [1.4, 1.5]})
+    modes = ["heuristic+mirror", "class-specific+joint"]
+    for catalogue in ("split-signs", "spec"):
+        tra = make_tra_policy("nnunet", num_groups=2, catalogue=catalogue)
+        names = tra.op_names[0]
+        probs = [p.numpy().copy() for p in tra.probabilities()]
+        probs[0][:] = 0.0
+        probs[0][:, 0] = [0.5, 0.6]
+        probs[0][:, names.index("scale-[0.4,0.5)" if catalogue == "split-signs" else "scale±[0.4,0.5)")] = [0.5, 0.4]
+        tra.set_probabilities(probs)
+        policies = json.loads(json.dumps(policies_to_dict(tra, make_tea_policy())))
+        results = {(m, seed): {"policies": policies} for m in modes for seed in (0, 1)}
+
+        lines, checks = bench.undoing_op_report(modes, results, [0, 1], undone_by, 8, tra_gain=9.0, oracle_gain=9.0)
+
+        by_text = {text: met for text, met, _ in checks}
+        if catalogue == "split-signs":
+            assert "- class-specific+joint: TRA `scale/scale±[0.4,0.5)`: 0.50, 0.40; 0.50, 0.40 (+ / - halves: " \
+                   "0.00 / 0.50, 0.00 / 0.40; 0.00 / 0.50, 0.00 / 0.40)" in lines  # fmt: skip
+            assert ("- class-specific+joint: TRA `scale/scale-[0.4,0.5)` (the half that reproduces the shift): "
+                    "0.50, 0.40; 0.50, 0.40") in lines  # fmt: skip
+            assert by_text["class-specific+joint: TRA scale/scale-[0.4,0.5) >= 0.3 in every group (mean over seeds)"]
+        else:
+            assert lines[0].endswith("(partial: its sign is drawn; no target)")
+            assert not any("TRA scale" in text for text in by_text)
+
+
 def test_reuse_keeps_only_runs_made_with_the_same_settings(bench, tmp_path, monkeypatch):
     """``--reuse`` must not return a run made with other overrides or on another device as if it were this one."""
     launched = []

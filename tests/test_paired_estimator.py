@@ -385,10 +385,11 @@ def test_dataset_metadata_names_the_ops_that_undo_each_shift(tmp_path):
     other = shift_undoing_ops(TARGET_SHIFTS["rotate-longitudinal"])
     assert other["tra"][0] == {"series": "rotate_longitudinal", "op": "rot90"}
     assert other["tea"][-1] == ["gamma_expand_0.5"]  # a power below 1 is undone by the expanding gamma
+    assert other["tra"][-1]["sign"] == "-"  # and reproduced by the TRA gamma's - half (an exponent below 1)
     blur = shift_undoing_ops(TARGET_SHIFTS["blur"])  # no geometric aspect: the blur alone
     assert blur == {"tra": [{"series": "blur_sharpen", "op": "blur[0.8,1)"}], "tea": [["sharpen_0.9"]]}
     gamma = shift_undoing_ops(TARGET_SHIFTS["gamma"])  # the default's intensity change alone
-    assert gamma == {"tra": [{"series": "gamma", "op": "gamma±[0.4,0.6)", "partial": True}],
+    assert gamma == {"tra": [{"series": "gamma", "op": "gamma±[0.4,0.6)", "partial": True, "sign": "+"}],
                      "tea": [["gamma_compress_0.5"]]}  # fmt: skip
     # the ops are looked up in the catalogues: the bin that holds the magnitude, the nearest one outside them
     weak = shift_undoing_ops({**TARGET_SHIFTS["blur"], "blur": (0.5, 0.55)})

@@ -161,5 +161,55 @@ def test_the_benchmark_reads_and_sets_a_split_op_by_its_spec_name():
         assert expected == pytest.approx(0.5, abs=1e-5)
         assert bench.tra_probability(policies, entry["series"], entry["op"]) == pytest.approx([expected] * 2, abs=1e-5)
         halves = bench.tra_halves(policies, entry["series"], entry["op"])
-        assert [p for group in halves for p in group] == pytest.approx([0.25] * 4, abs=1e-5)
+        # rot90 undoes the rotation with either sign: both halves; the zoom's magnifying half alone
+        expected = {"rot90": [0.25, 0.25], "scale±[0.4,0.5)": [0.0, 0.5]}[entry["op"]]
+        assert [p for group in halves for p in group] == pytest.approx(expected * 2, abs=1e-5)
+
+
+def test_the_oracle_sets_a_random_sign_op_by_its_recorded_half_and_by_both_halves_without_one():
+    """In ``split-signs`` the half ``dataset.json`` names is exact (set by both oracles); a dataset written before
+    the sign was recorded keeps the random-sign treatment: both halves, only in ``oracle-partial+mirror``."""
+    bench = load_benchmark("bench_learning_quality")
+    undone = shift_undoing_ops({"gamma": [1.4, 1.6]})
+    assert bench.exact_op_names(SPLIT[7].op_names, undone["tra"][0]) == ["gamma+[0.4,0.6)"]
+    assert bench.exact_op_names(TRA_SERIES[7].op_names, undone["tra"][0]) is None  # spec draws the sign
+    assert bench.oracle_preset(undone) == {"base": "nnunet"}
+    for partial in (False, True):
+        preset = bench.oracle_preset(undone, partial=partial, catalogue="split-signs")
+        assert preset["gamma"] == [0.5, 0, 0, 0, 0, 0.5, 0]
+    unsigned = {"tra": [{k: v for k, v in e.items() if k != "sign"} for e in undone["tra"]], "tea": undone["tea"]}
+    assert bench.oracle_preset(unsigned, catalogue="split-signs") == {"base": "nnunet"}
+    preset = bench.oracle_preset(unsigned, partial=True, catalogue="split-signs")
+    assert preset["gamma"] == [0.5, 0, 0, 0, 0, 0.25, 0.25]
+
+
+@pytest.mark.parametrize("shift", [{"scale": [1.4, 1.5]}, {"scale": [0.65, 0.7]}, {"gamma": [1.4, 1.6]},
+                                   {"gamma": [0.6, 0.7]}])  # fmt: skip
+def test_the_half_the_dataset_names_changes_a_source_case_the_way_the_shift_does(shift):
+    """``shift_undoing_ops`` records, per random-sign op, the ``split-signs`` half that reproduces the shift: applied
+    to a source case it moves a measure of the shift (lesion volume for a zoom; mean rescaled intensity for a gamma)
+    the way the target domain's case of the same seed differs from the source one; the other half the other way."""
+    from jcsaug.data.synthetic import synthesize_case
+    from jcsaug.ops.catalogue import half_names
+    from jcsaug.ops.tra import apply_tra
+
+    def measure(image: torch.Tensor, label: torch.Tensor) -> float:
+        if "scale" in shift:
+            return float(label.sum())
+        return float(((image - image.min()) / (image.max() - image.min())).mean())
+
+    (entry,) = shift_undoing_ops(shift)["tra"]
+    source = [torch.as_tensor(a, dtype=torch.float32)[None] for a in synthesize_case(np.random.default_rng(1),
+              (48, 48, 48), "source")]  # fmt: skip
+    target = [torch.as_tensor(a, dtype=torch.float32)[None] for a in synthesize_case(np.random.default_rng(1),
+              (48, 48, 48), shift)]  # fmt: skip
+    shift_direction = np.sign(measure(*target) - measure(*source))
+    series = [s.name for s in SPLIT].index(entry["series"])
+    for sign, name in zip("+-", half_names(entry["op"])):
+        choices = [0] * len(SPLIT)
+        choices[series] = SPLIT[series].index_of(name)
+        params = sample_tra_params(choices, np.random.RandomState(0), SPLIT)
+        images, labels = apply_tra({"image": source[0]}, {"label": source[1]}, params)
+        moved = np.sign(measure(images["image"], labels["label"]) - measure(*source))
+        assert moved == (shift_direction if sign == entry["sign"] else -shift_direction), name
 

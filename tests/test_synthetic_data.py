@@ -206,8 +206,10 @@ def test_the_ops_that_undo_a_zoom_and_noise_are_named_from_the_catalogues() -> N
     TEA zoom the other way; a shrunk one: the TEA zoom up; noise: the TRA noise of that sd, no TEA op (none
     denoises)."""
     assert shift_undoing_ops({"scale": [1.3, 1.4]}) == {
-        "tra": [{"series": "scale", "op": "scale±[0.3,0.4)", "partial": True}], "tea": [["scale_down_0.35"]]}
-    assert shift_undoing_ops({"scale": [0.7, 0.78]})["tea"] == [["scale_up_0.35"]]  # 1 / 0.74 - 1 = 0.35
+        "tra": [{"series": "scale", "op": "scale±[0.3,0.4)", "partial": True, "sign": "-"}],
+        "tea": [["scale_down_0.35"]]}  # fmt: skip
+    shrunk = shift_undoing_ops({"scale": [0.7, 0.78]})
+    assert shrunk["tea"] == [["scale_up_0.35"]] and shrunk["tra"][0]["sign"] == "+"  # 1 / 0.74 - 1 = 0.35
     assert shift_undoing_ops({"noise": [0.1, 0.15]}) == {"tra": [{"series": "noise", "op": "noise_std[0.1,0.15)"}],
                                                           "tea": []}  # fmt: skip
     assert describe_shift({"scale": [1.3, 1.4], "noise": [0.1, 0.15]}) == (

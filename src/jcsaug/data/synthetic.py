@@ -234,14 +234,16 @@ def shift_undoing_ops(target: str | Mapping, source: Mapping = _DOMAINS["source"
 
     TRA ops make a source patch look like the target (``{"series", "op"}``, one per aspect of the shift; the gamma
     op is marked ``"partial"``: its sign is drawn, so half of its draws reproduce the shift and half go the other
-    way; so is the zoom's); TEA ops map a target image back to the source (per aspect, the list of TEA op names that
-    each undo it, e.g. both quarter turns; none for added noise, which no TEA op removes). The ops are looked up in
-    the catalogues: the TRA bin that holds the shift's magnitude (the nearest outside them), the TEA op of the nearest
-    magnitude. Read by the learning-quality benchmark from
-    ``dataset.json`` (its oracle sets the TRA ops by hand; it reports the learned probabilities of both), never by
-    the learning itself. ``target`` is any ``target_shift`` (:func:`resolve_target_shift`); each aspect of a combined
-    shift is undone by its own ops: a lesion long axis turned from ``a`` to ``b`` by a quarter turn about the third
-    axis, the placement mirrored along array axis 0 by the sagittal mirror, a gamma, a blur, a zoom, added noise.
+    way; so is the zoom's; a partial entry's ``"sign"`` names the half that reproduces the shift in the
+    ``split-signs`` catalogue, :func:`jcsaug.ops.catalogue.split_signs`, where that half is exact); TEA ops map a
+    target image back to the source (per aspect, the list of TEA op names that each undo it, e.g. both quarter
+    turns; none for added noise, which no TEA op removes). The ops are looked up in the catalogues: the TRA bin that
+    holds the shift's magnitude (the nearest outside them), the TEA op of the nearest magnitude. Read by the
+    learning-quality benchmark from ``dataset.json`` (its oracle sets the TRA ops by hand; it reports the learned
+    probabilities of both), never by the learning itself. ``target`` is any ``target_shift``
+    (:func:`resolve_target_shift`); each aspect of a combined shift is undone by its own ops: a lesion long axis
+    turned from ``a`` to ``b`` by a quarter turn about the third axis, the placement mirrored along array axis 0 by
+    the sagittal mirror, a gamma, a blur, a zoom, added noise.
     """
     target = resolve_target_shift(target)[1]
     tra: list[dict] = []
@@ -256,7 +258,9 @@ def shift_undoing_ops(target: str | Mapping, source: Mapping = _DOMAINS["source"
     if target["gamma"] is not None:
         power = sum(target["gamma"]) / 2.0  # target = rescaled source ** power
         magnitude = _factor_magnitude(power)
-        tra.append({"series": "gamma", "op": _tra_op("gamma", "gamma", magnitude), "partial": True})
+        # the TRA's gamma raises to (1 + M) ** sign: the + half darkens as a power above 1 does
+        sign = "+" if power >= 1.0 else "-"
+        tra.append({"series": "gamma", "op": _tra_op("gamma", "gamma", magnitude), "partial": True, "sign": sign})
         tea.append([_tea_op("gamma", magnitude, sign=-1 if power >= 1.0 else 1)])  # the exponent 1 / power
     if target["blur"] is not None:
         sigma = sum(target["blur"]) / 2.0
@@ -265,7 +269,9 @@ def shift_undoing_ops(target: str | Mapping, source: Mapping = _DOMAINS["source"
     if target["scale"] is not None:  # the TRA's zoom draws its direction: "partial", as the gamma
         factor = sum(target["scale"]) / 2.0
         magnitude = _factor_magnitude(factor)
-        tra.append({"series": "scale", "op": _tra_op("scale", "scale", magnitude), "partial": True})
+        # the TRA's zoom scales the sampling grid by (1 + M) ** sign: the - half (a grid below 1) magnifies
+        sign = "-" if factor >= 1.0 else "+"
+        tra.append({"series": "scale", "op": _tra_op("scale", "scale", magnitude), "partial": True, "sign": sign})
         tea.append([_tea_op("scale", magnitude, sign=-1 if factor >= 1.0 else 1)])  # shrink what grew, and back
     if target["noise"] is not None:  # no TEA op removes noise: the TEA has no aspect for it
         tra.append({"series": "noise", "op": _tra_op("noise", "noise", sum(target["noise"]) / 2.0)})
