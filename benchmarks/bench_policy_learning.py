@@ -65,8 +65,10 @@ default for the verdicts) and ``cpu`` (this process's CPU time, summed over its 
    paired TRA estimator with K = 1, 2, 4 copies, a validation pool of 6 batches, the batch soft Dice L_val, the
    look-ahead, the ``equal-norm`` hypergradient (one backward pass per sample), the ``beyond-training`` direction
    (one more forward-backward pass of the training batch; none beside the look-ahead, which computes that
-   gradient already), the synthetic bundle's own TRA settings (read from its ``train.yaml``), and the TEA
-   estimators (``gumbel``, ``paired``, ``paired`` on 4 patches).
+   gradient already), the synthetic bundle's own TRA settings (read from its ``train.yaml``), the same settings
+   with the other TRA catalogue (``spec`` / ``split-signs``: what choosing the sign costs; each catalogue's rows
+   get batches whose ops and counterfactual records its own nnU-Net preset drew), and the TEA estimators
+   (``gumbel``, ``paired``, ``paired`` on 4 patches).
 
 The targets live here, never in timed tests. Compare numbers only from the same machine, same ``--threads``.
 """
@@ -109,9 +111,10 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = time.process_time  # set from --clock in main()
 BLOCK = 10  # iterations per timed block (= the larger update period, so every N=10 block holds one update)
 SYNTHETIC_TRAIN = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
+SYNTHETIC_CONFIG: dict = yaml.safe_load(SYNTHETIC_TRAIN.read_text())
 #: the synthetic bundle's fixed policy learning rates (``tra_lr``, ``tea_lr``: its runs derive theirs from a logit
 #: budget, which needs a run length; the cost of an update does not depend on the rate)
-TRA_LR, TEA_LR = (float(yaml.safe_load(SYNTHETIC_TRAIN.read_text())[key]) for key in ("tra_lr", "tea_lr"))
+TRA_LR, TEA_LR = (float(SYNTHETIC_CONFIG[key]) for key in ("tra_lr", "tea_lr"))
 CONFIGS = {"plain": None, "joint N=1": 1, "joint N=10": 10}
 TARGET_BOUND, TARGET_MEMORY = 1.10, 1.30
 
@@ -370,11 +373,11 @@ def print_breakdown(t: dict[str, float], iterations: int, clock_name: str) -> No
 
 
 # ---------------------------------------------------------------------------------------------- 5. options
-def synthetic_tra_settings(config: Path = SYNTHETIC_TRAIN) -> tuple[dict, int, str, str]:
+def synthetic_tra_settings(config: Path | None = None) -> tuple[dict, int, str, str]:
     """The synthetic bundle's TRA estimator settings as ``TRAPolicyUpdater`` arguments, read from its
-    ``train.yaml`` (so that section 5's default row follows the bundle), its counterfactual copies K, its TRA
-    catalogue (``tra_catalogue``: the policy's ops) and a label."""
-    cfg = yaml.safe_load(config.read_text())
+    ``train.yaml`` (so that section 5's default row follows the bundle; ``config``: another file), its
+    counterfactual copies K, its TRA catalogue (``tra_catalogue``: the policy's ops) and a label."""
+    cfg = SYNTHETIC_CONFIG if config is None else yaml.safe_load(config.read_text())
     kwargs = {"estimator": cfg["tra_estimator"], "val_batches": int(cfg["val_batches"]), "val_loss": cfg["val_loss"],
               "lookahead": float(cfg["tra_lookahead"]), "direction": cfg["tra_direction"],
               "hypergradient": cfg["hypergradient"]}  # fmt: skip
@@ -393,6 +396,9 @@ SYNTHETIC_TRA, SYNTHETIC_TRA_COPIES, SYNTHETIC_TRA_CATALOGUE, SYNTHETIC_TRA_NAME
 TEA_WINDOW = SlidingWindowInferer(24, sw_batch_size=8, overlap=0.25, mode="gaussian")
 SYNTHETIC_ROW = f"TRA synthetic default ({SYNTHETIC_TRA_NAME})"
 SYNTHETIC_6_ROW = "TRA synthetic default with 6 val batches (its setting before 2026-11-28)"
+#: the bundle's settings with the other TRA catalogue: what the catalogue itself costs per update
+OTHER_CATALOGUE = "spec" if SYNTHETIC_TRA_CATALOGUE == "split-signs" else "split-signs"
+OTHER_CATALOGUE_ROW = f"TRA the synthetic settings in the {OTHER_CATALOGUE} catalogue"
 OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TRA gumbel (paper), 1 val batch": (TRAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TRA paired K=1": (TRAPolicyUpdater, {"estimator": "paired"}, 1),
@@ -414,6 +420,7 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
         {**SYNTHETIC_TRA, "val_batches": 6},
         SYNTHETIC_TRA_COPIES,
     ),
+    OTHER_CATALOGUE_ROW: (TRAPolicyUpdater, SYNTHETIC_TRA, SYNTHETIC_TRA_COPIES),
     "TEA gumbel (paper)": (TEAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TEA paired": (TEAPolicyUpdater, {"estimator": "paired"}, 0),
     "TEA paired, 4 patches": (TEAPolicyUpdater, {"estimator": "paired", "patches": 4}, 0),
@@ -432,17 +439,25 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
 
 
 #: option -> the TRA catalogue of its policy (others: ``spec``): the synthetic bundle's rows use the bundle's
-OPTION_CATALOGUES = {SYNTHETIC_ROW: SYNTHETIC_TRA_CATALOGUE, SYNTHETIC_6_ROW: SYNTHETIC_TRA_CATALOGUE}
+OPTION_CATALOGUES = {
+    SYNTHETIC_ROW: SYNTHETIC_TRA_CATALOGUE,
+    SYNTHETIC_6_ROW: SYNTHETIC_TRA_CATALOGUE,
+    OTHER_CATALOGUE_ROW: OTHER_CATALOGUE,
+}
 
 
-def with_counterfactuals(batches: list[dict], copies: int, seed: int) -> list[dict]:
-    """The batches plus ``copies`` counterfactual copies per patch (other patches of the same shape stand in for
-    them: the cost does not depend on their content) and valid (series, op) records."""
+def with_counterfactuals(batches: list[dict], copies: int, seed: int, catalogue: str = "spec") -> list[dict]:
+    """The batches with their ``tra_ops`` drawn anew by nnU-Net's preset in ``catalogue``, plus ``copies``
+    counterfactual copies per patch (other patches of the same shape stand in for them: the cost does not depend on
+    their content) and valid (series, op) records of that catalogue."""
     rng = np.random.RandomState(seed)
-    sizes = make_tra_policy("nnunet", 2).series_sizes
+    policy = make_tra_policy("nnunet", 2, catalogue=catalogue)
+    sizes = policy.series_sizes
     out = []
     for b in batches:
         n = b["image"].shape[0]
+        groups = b["class_group"].tolist()
+        b = {**b, "tra_ops": torch.from_numpy(np.stack([policy.sample_ops(g, rng) for g in groups])).long()}
         pick = torch.from_numpy(rng.randint(0, n, size=(n, copies)))
         series = rng.randint(0, len(sizes), size=(n, copies))
         ops = np.array([[rng.randint(1, sizes[s]) for s in row] for row in series])
@@ -454,12 +469,14 @@ def with_counterfactuals(batches: list[dict], copies: int, seed: int) -> list[di
 
 def option_costs(args: argparse.Namespace, init_state: dict, train: list[dict], val: list[dict]) -> None:
     """Section 5: ms per update of every option, interleaved round by round with a plain engine."""
-    batches = with_counterfactuals(train, max(k for _, _, k in OPTIONS.values()), args.seed)
+    most = max(k for _, _, k in OPTIONS.values())
+    batches = {c: with_counterfactuals(train, most, args.seed, c) for c in {"spec", *OPTION_CATALOGUES.values()}}
+    catalogue_of = {name: OPTION_CATALOGUES.get(name, "spec") for name in ["plain", *OPTIONS]}
     runs = {"plain": Run(None, init_state, val, args.copies, args.seed)}
     for name, (cls, kwargs, copies) in OPTIONS.items():
         run = Run(None, init_state, val, args.copies, args.seed)
         if cls is TRAPolicyUpdater:
-            policy = make_tra_policy("nnunet", 2, catalogue=OPTION_CATALOGUES.get(name, "spec"))
+            policy = make_tra_policy("nnunet", 2, catalogue=catalogue_of[name])
             updater = cls(policy, run.model, val, run.optimizer, lr=TRA_LR, **kwargs)
         else:
             updater = cls(make_tea_policy("nnunet"), run.model, val, lr=TEA_LR, num_copies=args.copies, **kwargs)
@@ -469,7 +486,7 @@ def option_costs(args: argparse.Namespace, init_state: dict, train: list[dict], 
         runs[name] = run
     data = {name: [{**b, "image_cf": b["image_cf"][:, : getattr(r, "copies", 0)],
                     "label_cf": b["label_cf"][:, : getattr(r, "copies", 0)],
-                    "tra_cf_ops": b["tra_cf_ops"][:, : getattr(r, "copies", 0)]} for b in batches]
+                    "tra_cf_ops": b["tra_cf_ops"][:, : getattr(r, "copies", 0)]} for b in batches[catalogue_of[name]]]
             for name, r in runs.items()}  # fmt: skip
     times: dict[str, list[float]] = defaultdict(list)
     order = list(runs)

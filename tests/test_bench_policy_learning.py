@@ -47,3 +47,23 @@ def test_the_fixed_policy_learning_rates_are_the_bundles():
     bench = load_benchmark("bench_policy_learning")
     cfg = yaml.safe_load(bench.SYNTHETIC_TRAIN.read_text())
     assert (bench.TRA_LR, bench.TEA_LR) == (float(cfg["tra_lr"]), float(cfg["tea_lr"]))
+
+
+def test_section_5_times_the_bundles_settings_in_both_catalogues_on_batches_of_each(bench):
+    """The other catalogue's row differs from the default row in the catalogue alone, and every row's batches hold
+    ops and counterfactual records drawn in its own catalogue (valid indices of its series)."""
+    assert bench.OPTIONS[bench.OTHER_CATALOGUE_ROW] == bench.OPTIONS[bench.SYNTHETIC_ROW]
+    catalogues = {bench.OPTION_CATALOGUES[bench.SYNTHETIC_ROW], bench.OPTION_CATALOGUES[bench.OTHER_CATALOGUE_ROW]}
+    assert catalogues == {"spec", "split-signs"}
+    batches = bench.make_batches(2, 4, 8, 0, None)
+    for catalogue in catalogues:
+        sizes = torch.tensor(make_tra_policy("nnunet", 2, catalogue=catalogue).series_sizes)
+        for b in bench.with_counterfactuals(batches, 2, 0, catalogue):
+            assert b["tra_ops"].shape == (4, len(sizes)) and bool((b["tra_ops"] < sizes).all())
+            series, ops = b["tra_cf_ops"].unbind(-1)
+            assert bool((ops < sizes[series]).all()) and b["image_cf"].shape == (4, 2, 1, 8, 8, 8)
+    split_sizes = max(make_tra_policy("nnunet", 2, catalogue="split-signs").series_sizes)
+    drawn = torch.cat([b["tra_cf_ops"][..., 1].flatten() for b in bench.with_counterfactuals(
+        bench.make_batches(8, 8, 8, 1, None), 4, 1, "split-signs")])  # fmt: skip
+    assert int(drawn.max()) > max(make_tra_policy("nnunet", 2).series_sizes) - 1  # beyond SPEC's indices
+    assert int(drawn.max()) < split_sizes
