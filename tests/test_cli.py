@@ -32,8 +32,9 @@ def test_ops_tra_of_the_split_signs_catalogue(capsys):
     assert [op["name"] for op in series[1]["ops"][-2:]] == ["rot90+", "rot90-"]
     assert series[0]["ops"][2] == {"index": 2, "name": "scale-[0,0.1)", "kind": "scale", "magnitude": [0.0, 0.1],
                                    "signed": False, "sign": "-"}  # fmt: skip
-    assert main(["ops", "--tra", "--catalogue", "signs"]) == 2
-    assert "catalogues: ['spec', 'split-signs']" in capsys.readouterr().err
+    for command in (["ops", "--tra"], ["policy", "show", "--preset", "nnunet"]):  # one error, one wording
+        assert main([*command, "--catalogue", "signs"]) == 2
+        assert "unknown TRA catalogue 'signs'; valid names: spec, split-signs" in capsys.readouterr().err
     assert main(["policy", "show", "--preset", "nnunet", "--catalogue", "split-signs"]) == 0
     assert "rot90-=0.012" in capsys.readouterr().out
 

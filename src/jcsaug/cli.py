@@ -53,13 +53,13 @@ def _run_ops(args: argparse.Namespace) -> int:
         print("jcsaug ops: give --tra or --tea (or the 'gallery' sub-command)", file=sys.stderr)
         return 2
     if args.tra:
-        from jcsaug.ops.tra import TRA_CATALOGUES, tra_catalogue, tra_catalogue_json
+        from jcsaug.ops.tra import tra_catalogue, tra_catalogue_json
 
-        if args.catalogue not in TRA_CATALOGUES:
-            print(f"jcsaug ops: no TRA catalogue {args.catalogue!r}; catalogues: {TRA_CATALOGUES.names()}",
-                  file=sys.stderr)  # fmt: skip
+        try:
+            catalogue = tra_catalogue_json(tra_catalogue(args.catalogue))
+        except KeyError as err:  # the registry's message: the name and the valid ones (as `policy show` prints it)
+            print(f"jcsaug ops: {err.args[0]}", file=sys.stderr)
             return 2
-        catalogue = tra_catalogue_json(tra_catalogue(args.catalogue))
         if args.json:
             print(json.dumps(catalogue, indent=1))
             return 0
