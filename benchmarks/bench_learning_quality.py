@@ -451,8 +451,8 @@ def undoing_op_report(
                 lines[-1] += " (partial: its sign is drawn; no target)"
                 continue
             op = entry["op"]
-            if exact != {(op,)}:  # split-signs: the half that reproduces the shift is the op judged
-                (op,) = exact.pop()
+            if entry.get("partial"):  # split-signs: the half that reproduces the shift is the op judged
+                ((op,),) = exact
                 probs = [tra_probability(results[(mode, s)]["policies"], entry["series"], op) for s in seeds]
                 text = "; ".join(", ".join(f"{p:.2f}" for p in groups) for groups in probs)
                 lines.append(f"- {mode}: TRA `{entry['series']}/{op}` (the half that reproduces the shift): {text}")

@@ -236,6 +236,15 @@ def test_a_random_sign_op_is_judged_by_its_half_in_a_split_signs_run_and_not_at_
         else:
             assert lines[0].endswith("(partial: its sign is drawn; no target)")
             assert not any("TRA scale" in text for text in by_text)
+    # the default shift in a split-signs run: the quarter turn undoes it with either sign (both halves, summed), the
+    # gamma by its + half
+    policies = json.loads(json.dumps(policies_to_dict(make_tra_policy("nnunet", 2, catalogue="split-signs"),
+                                                      make_tea_policy())))  # fmt: skip
+    results = {(m, seed): {"policies": policies} for m in modes for seed in (0, 1)}
+    _, checks = bench.undoing_op_report(modes, results, [0, 1], shift_undoing_ops(TARGET_SHIFTS["default"]), 8,
+                                        tra_gain=14.0, oracle_gain=14.0)  # fmt: skip
+    judged = [text.split(": TRA ")[1].split(" >= ")[0] for text, _, _ in checks if ": TRA " in text]
+    assert judged == ["rotate_frontal/rot90", "mirror_sagittal/flip", "gamma/gamma+[0.4,0.6)"]
 
 
 def test_reuse_keeps_only_runs_made_with_the_same_settings(bench, tmp_path, monkeypatch):
