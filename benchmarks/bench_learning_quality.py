@@ -56,12 +56,11 @@ run also gives *learned TRA without TTA* and a ``heuristic+mirror`` run *heurist
 test Dice per seed, mean ± sd, the differences against ``heuristic+mirror`` and the share of the oracle's gain;
 the final probability of every TRA op that undoes the shift in each class group; the rank of the TEA ops that
 undo it; the wall time of each run. Targets (issue 10): joint - heuristic+mirror >= 6 Dice points; learned TRA
-without TTA - heuristic without TTA >= 4; each undoing TRA op >= 0.3 in both class groups (a random-sign op: in
-a ``split-signs`` run its half that reproduces the shift; none with ``spec``, whose draws of it half go the other
-way); each aspect of the
-shift undone by one of the TEA policy's top ``--tea-z`` ops; printed ``N/A`` (with no shares) when the oracle gains
-under :data:`MIN_ORACLE_GAIN` on the shift (knowing the answer is worth nothing there, as on ``--shift blur``). A
-Markdown table goes to ``--out``.
+without TTA - heuristic without TTA >= 4; each undoing TRA op >= 0.3 in both class groups (a random-sign op: in a
+``split-signs`` run its half that reproduces the shift; none with ``spec``, where half its draws go the other way);
+each aspect of the shift undone by one of the TEA policy's top ``--tea-z`` ops; printed ``N/A`` (with no shares)
+when the oracle gains under :data:`MIN_ORACLE_GAIN` on the shift (knowing the answer is worth nothing there, as on
+``--shift blur``). A Markdown table goes to ``--out``.
 """
 
 from __future__ import annotations
