@@ -339,10 +339,14 @@ def threads_per_run(jobs: int, threads: int = 0) -> int:
     return threads or max(1, (os.cpu_count() or 1) // max(1, jobs))
 
 
+def _series_ops(group: dict, series: str) -> list[dict]:
+    """The ``ops`` entries (name, probability, ...) of TRA ``series`` in one class group of a ``policies.json``."""
+    return next(s for s in group["series"] if s["series"] == series)["ops"]
+
+
 def tra_series_op_names(policies: dict, series: str) -> list[str]:
     """The op names of a run's TRA ``series`` (its catalogue's: ``spec`` or ``split-signs``)."""
-    entry = next(s for s in policies["tra"]["groups"][0]["series"] if s["series"] == series)
-    return [o["name"] for o in entry["ops"]]
+    return [o["name"] for o in _series_ops(policies["tra"]["groups"][0], series)]
 
 
 def tra_op_probabilities(policies: dict, series: str, op: str) -> list[list[float]]:
@@ -350,8 +354,7 @@ def tra_op_probabilities(policies: dict, series: str, op: str) -> list[list[floa
     the op itself, or its ``+`` and ``-`` halves)."""
     out = []
     for group in policies["tra"]["groups"]:
-        entry = next(s for s in group["series"] if s["series"] == series)
-        by_name = {o["name"]: o["probability"] for o in entry["ops"]}
+        by_name = {o["name"]: o["probability"] for o in _series_ops(group, series)}
         out.append([by_name[name] for name in op_names_in(list(by_name), op)])
     return out
 

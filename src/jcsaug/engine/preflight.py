@@ -254,8 +254,8 @@ def _tra_preset(value: Any) -> str | None:
     from jcsaug.policy.presets import TRA_PRESETS
 
     if isinstance(value, Mapping):
-        problems = [_tra_preset_problem(value, catalogue) for catalogue in TRA_CATALOGUES.names()]
-        return None if None in problems else _tra_preset_problem(value, "spec")
+        problems = {catalogue: _tra_preset_problem(value, catalogue) for catalogue in TRA_CATALOGUES.names()}
+        return None if None in problems.values() else problems["spec"]
     reason = _registered(TRA_PRESETS)(value)
     return reason and f"{reason}, or a mapping series -> probability"
 
