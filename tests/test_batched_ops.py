@@ -78,10 +78,28 @@ def test_intensity_ops_equal_monai_per_sample() -> None:
     gamma, inverted = intensity.gamma(x, torch.tensor(values)), intensity.inverted_gamma(x, torch.tensor(values))
     contrast = intensity.contrast(x, torch.tensor(values))
     for i, v in enumerate(values):
-        torch.testing.assert_close(gamma[i], AdjustContrast(v)(x[i]).as_tensor())
-        torch.testing.assert_close(inverted[i], AdjustContrast(v, invert_image=True)(x[i]).as_tensor())
+        torch.testing.assert_close(gamma[i], AdjustContrast(v, retain_stats=True)(x[i]).as_tensor())
+        inverted_monai = AdjustContrast(v, invert_image=True, retain_stats=True)(x[i]).as_tensor()
+        torch.testing.assert_close(inverted[i], inverted_monai)
         torch.testing.assert_close(contrast[i], ScaleIntensityFixedMean(factor=v - 1.0)(x[i]).as_tensor())
     torch.testing.assert_close(intensity.shift(x, torch.tensor(values)), x + torch.tensor(values).view(3, 1, 1, 1, 1))
+    plain = intensity.gamma(x, torch.tensor(values), retain_stats=False)
+    for i, v in enumerate(values):
+        torch.testing.assert_close(plain[i], AdjustContrast(v)(x[i]).as_tensor())
+
+
+def test_gamma_keeps_each_samples_mean_and_std_and_bends_its_curve() -> None:
+    """The reference code's and nnU-Net's gamma restore the image's mean and standard deviation: a gamma changes
+    the shape of the intensity histogram, not the patch's brightness."""
+    x = _rand(4, 1, 8, 8, 8) * 3 - 1
+    for op in (intensity.gamma, intensity.inverted_gamma):
+        out = op(x, torch.tensor([0.5, 0.8, 1.3, 2.0]))
+        torch.testing.assert_close(out.mean((1, 2, 3, 4)), x.mean((1, 2, 3, 4)), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.std((1, 2, 3, 4)), x.std((1, 2, 3, 4)), atol=1e-5, rtol=1e-5)
+        assert (out - x).abs().amax((1, 2, 3, 4)).min() > 0.05, op.__name__  # every sample changed
+        flat_x, flat_out = x.flatten(1), out.flatten(1)  # a monotone map of each sample's voxels
+        order = flat_x.argsort(1)
+        assert (flat_out.gather(1, order).diff(dim=1) >= -1e-5).all(), op.__name__
 
 
 def _reference_log_sharpen(img: torch.Tensor, sigma: float) -> torch.Tensor:

@@ -25,6 +25,7 @@ from jcsaug.ops import filters
 from jcsaug.registry import Registry
 
 _EPSILON = 1e-7  # MONAI AdjustContrast's
+_STD_EPSILON = 1e-8  # MONAI AdjustContrast's, for retain_stats
 
 
 def _per_sample(v: torch.Tensor | Sequence[float] | float, x: torch.Tensor) -> torch.Tensor:
@@ -37,9 +38,14 @@ def _per_sample(v: torch.Tensor | Sequence[float] | float, x: torch.Tensor) -> t
     return v.view(-1, *([1] * (x.ndim - 1)))
 
 
-def gamma(x: torch.Tensor, exponent: torch.Tensor | float, invert: bool = False) -> torch.Tensor:
-    """``((x - min) / (range + 1e-7)) ** exponent * range + min`` per sample (MONAI ``AdjustContrast``);
-    ``invert`` applies it to ``-x`` and negates the result (``AdjustContrast(invert_image=True)``)."""
+def gamma(
+    x: torch.Tensor, exponent: torch.Tensor | float, invert: bool = False, retain_stats: bool = True
+) -> torch.Tensor:
+    """``((x - min) / (range + 1e-7)) ** exponent * range + min`` per sample, then (``retain_stats``) shifted and
+    scaled back to the sample's mean and standard deviation: MONAI ``AdjustContrast(retain_stats=True)``, as the
+    reference code's gamma and nnU-Net's (batchgenerators' ``retain_stats``) keep them, so the op bends the
+    intensity curve without moving the patch's brightness; ``invert`` applies it to ``-x`` and negates the result
+    (``AdjustContrast(invert_image=True)``)."""
     if invert:
         x = -x
     flat = x.reshape(x.shape[0], -1)
@@ -47,6 +53,14 @@ def gamma(x: torch.Tensor, exponent: torch.Tensor | float, invert: bool = False)
     shape = (-1, *([1] * (x.ndim - 1)))
     low, span = low.view(shape), (high - low).view(shape)
     out = (x - low).div_(span + _EPSILON).pow_(_per_sample(exponent, x)).mul_(span).add_(low)
+    if retain_stats:
+        bent = out.reshape(out.shape[0], -1)
+        out = (
+            out.sub_(bent.mean(1).view(shape))
+            .div_(bent.std(1).view(shape) + _STD_EPSILON)
+            .mul_(flat.std(1).view(shape))
+            .add_(flat.mean(1).view(shape))
+        )
     return out.neg_() if invert else out
 
 
