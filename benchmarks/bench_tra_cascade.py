@@ -165,7 +165,7 @@ def monai_nnunet_intensity_and_flips() -> list:
         RandGaussianNoised("image", prob=0.1, mean=0.0, std=0.1),
         RandGaussianSmoothd("image", sigma_x=(0.5, 1.0), sigma_y=(0.5, 1.0), sigma_z=(0.5, 1.0), prob=0.2),
         RandScaleIntensityd("image", factors=0.25, prob=0.15),
-        RandAdjustContrastd("image", prob=0.3, gamma=(0.7, 1.5)),
+        RandAdjustContrastd("image", prob=0.3, gamma=(0.7, 1.5), retain_stats=True),  # nnU-Net keeps mean and std
         RandSimulateLowResolutiond("image", prob=0.25, zoom_range=(0.5, 1.0)),
         RandFlipd(KEYS, prob=0.5, spatial_axis=0),
         RandFlipd(KEYS, prob=0.5, spatial_axis=1),

@@ -213,3 +213,34 @@ def test_the_half_the_dataset_names_changes_a_source_case_the_way_the_shift_does
         moved = np.sign(measure(images["image"], labels["label"]) - measure(*source))
         assert moved == (shift_direction if sign == entry["sign"] else -shift_direction), name
 
+
+@pytest.mark.parametrize("power", [[1.4, 1.6], [0.62, 0.71]])
+def test_the_gamma_op_the_dataset_names_reproduces_the_target_patches_best(power):
+    """The synthetic target's gamma bends the rescaled image's curve and is then z-scored, so a patch keeps its
+    brightness; the catalogue's gamma keeps each patch's mean and std too (as the reference code's does). So of the
+    gamma series' ops, identity included, the one ``dataset.json`` names comes nearest (mean squared error) to the
+    target case's patches, cut where the source case's are (the two cases of a seed differ by the gamma alone).
+    A gamma that moved the patch's mean (MONAI's default) made the identity the nearest."""
+    from jcsaug.data.synthetic import synthesize_case
+    from jcsaug.ops.tra import apply_tra
+
+    (entry,) = shift_undoing_ops({"gamma": power})["tra"]
+    (named,) = [n for n in SPLIT[7].op_names if n.startswith("gamma" + entry["sign"]) and n.endswith("[0.4,0.6)")]
+    assert entry["op"] == "gamma±[0.4,0.6)"
+    errors = {name: 0.0 for name in SPLIT[7].op_names}
+    pick = np.random.default_rng(0)
+    for seed in range(3):
+        source, label = synthesize_case(np.random.default_rng(seed), (48, 48, 48), "source")
+        target, _ = synthesize_case(np.random.default_rng(seed), (48, 48, 48), {"gamma": power})
+        for group in (0, 1):  # a background- and a lesion-centred 32^3 patch
+            centre = pick.choice(np.argwhere(label == group))
+            box = tuple(slice(c, c + 32) for c in np.clip(centre - 16, 0, 16))
+            patch, want = torch.as_tensor(source[box])[None], torch.as_tensor(target[box])[None]
+            for name in errors:
+                choices = [0] * len(SPLIT)
+                choices[7] = SPLIT[7].index_of(name)
+                params = sample_tra_params(choices, np.random.RandomState(seed), SPLIT)
+                out, _ = apply_tra({"image": patch}, {}, params)
+                errors[name] += float(((out["image"] - want) ** 2).mean())
+    assert min(errors, key=errors.get) == named, errors
+    assert errors[named] < 0.5 * errors["identity"], errors

@@ -104,8 +104,9 @@ TARGET_SHIFTS: dict[str, dict] = {
     # no geometric change and no gamma: the z-scored image blurred (sigma 0.8-1 voxel), an intensity change of
     # another kind (undone by the TRA's strongest blur, roughly by the TEA's sharpening)
     "blur": {**_DOMAINS["source"], "blur": (0.8, 1.0)},
-    # the default shift's intensity change alone (no geometric change): costs the heuristic Dice; no TRA op undoes it
-    # (the catalogue's gamma rescales by each patch's own range and draws its sign), the TEA's gamma compression does
+    # the default shift's intensity change alone (no geometric change): costs the heuristic Dice; the TRA's gamma
+    # bin of the power reproduces its curve on a patch (the + half of split-signs; SPEC's draws the sign), the TEA's
+    # gamma compression undoes it
     "gamma": {**_DOMAINS["source"], "gamma": (1.4, 1.6)},
 }
 #: the keys of a target domain; a ``target_shift`` mapping's missing keys take the source domain's values

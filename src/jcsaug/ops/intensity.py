@@ -1,7 +1,7 @@
 """Intensity ops on batches ``[B, C, X, Y, Z]`` with one parameter per sample, on any device.
 
-They compute what MONAI's ``AdjustContrast``, ``ScaleIntensityFixedMean`` and ``ShiftIntensity`` compute
-on one sample (reductions such as min, max and mean are taken per sample, over all its channels). Written
+They compute what MONAI's ``AdjustContrast(retain_stats=True)``, ``ScaleIntensityFixedMean`` and ``ShiftIntensity``
+compute on one sample (reductions such as min, max and mean are taken per sample, over all its channels). Written
 here because MONAI's transforms take one parameter per call and reduce over the whole tensor they get;
 tests compare every op with the MONAI transform it stands for. Blur and sharpening are in
 :mod:`jcsaug.ops.filters`.
@@ -65,7 +65,7 @@ def gamma(
 
 
 def inverted_gamma(x: torch.Tensor, exponent: torch.Tensor | float) -> torch.Tensor:
-    """:func:`gamma` on the inverted image (MONAI ``AdjustContrast(invert_image=True)``)."""
+    """:func:`gamma` on the inverted image (MONAI ``AdjustContrast(invert_image=True, retain_stats=True)``)."""
     return gamma(x, exponent, invert=True)
 
 

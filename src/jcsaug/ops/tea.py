@@ -8,8 +8,8 @@ Ids and order follow the paper's numbering:
   5, 15, 25, 90 degrees; 20-28 the same about the sagittal axis, 29-37 about the longitudinal axis;
 * 38-41 mirror in the sagittal / frontal / axial plane (array axis 0 / 1 / 2) and in all three;
 * 42-44 / 45-47 gamma expansion ``x ** (1 + g)`` / compression ``x ** (1 / (1 + g))``, ``g`` = .1 .3 .5,
-  on the sample rescaled to [0, 1] and back (MONAI ``AdjustContrast``); 48-53 the same on the
-  inverted sample (``AdjustContrast(invert_image=True)``);
+  on the sample rescaled to [0, 1] and back, then moved back to its mean and std (MONAI
+  ``AdjustContrast(retain_stats=True)``); 48-53 the same on the inverted sample (``invert_image=True``);
 * 54-56 / 57-59 add / subtract .05 .15 .25; 60-62 / 63-65 multiply / divide by ``1 + s``;
 * 66-68 / 69-71 contrast about the mean up ``(x - m)(1 + s) + m`` / down with ``1 / (1 + s)``;
 * 72-74 Gaussian blur sigma .5 .7 .9; 75-77 sharpening ``x - LoG(x, sigma)``, sigma .9 .7 .5;
