@@ -100,6 +100,8 @@ def test_gamma_keeps_each_samples_mean_and_std_and_bends_its_curve() -> None:
         flat_x, flat_out = x.flatten(1), out.flatten(1)  # a monotone map of each sample's voxels
         order = flat_x.argsort(1)
         assert (flat_out.gather(1, order).diff(dim=1) >= -1e-5).all(), op.__name__
+        flat = torch.full((2, 1, 4, 4, 4), 0.7)  # a constant sample stays itself: no division by a zero std
+        torch.testing.assert_close(op(flat, torch.tensor([0.5, 2.0])), flat)
 
 
 def _reference_log_sharpen(img: torch.Tensor, sigma: float) -> torch.Tensor:
