@@ -210,9 +210,7 @@ def oracle_group_policy_file(out: Path, undone_by: dict, group: int, catalogue: 
 ORACLE_FLIP_OFF_MODES = {"oracle-flip-off-background+mirror": (0,), "oracle-flip-off+mirror": (0, 1)}
 
 
-def oracle_flip_off_policy_file(
-    out: Path, undone_by: dict, groups: tuple[int, ...], catalogue: str = "spec"
-) -> Path:
+def oracle_flip_off_policy_file(out: Path, undone_by: dict, groups: tuple[int, ...], catalogue: str = "spec") -> Path:
     """A ``policies.json`` whose TRA policy is the oracle (:func:`oracle_preset`, both groups) with every
     shift-undoing ``mirror_*`` flip off (identity 1) in ``groups``, for ``tra_mode fixed``: is the flip that undoes
     the shift's mirroring worth any Dice there? (The heuristic already draws it at 0.5.)"""

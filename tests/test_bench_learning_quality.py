@@ -115,7 +115,8 @@ def test_a_per_group_oracle_is_the_oracle_in_that_group_and_the_heuristic_in_the
     rot90 = bench.tra_probability(json.loads(path.read_text()), "rotate_frontal", "rot90")
     assert rot90[group] == pytest.approx(0.5, abs=1e-5) and rot90[1 - group] == pytest.approx(0.025, abs=1e-5)
     assert {m: bench.MODES[m]["tra_mode"] for m in bench.ORACLE_GROUP_MODES} == dict.fromkeys(
-        bench.ORACLE_GROUP_MODES, "fixed")
+        bench.ORACLE_GROUP_MODES, "fixed"
+    )
 
 
 @pytest.mark.parametrize("mode", ["oracle-flip-off-background+mirror", "oracle-flip-off+mirror"])
@@ -375,8 +376,14 @@ def test_a_json_shift_gets_its_own_dataset_runs_report_and_oracle(bench, tmp_pat
     assert data == tmp_path / f"data_{name}" and run_dir == tmp_path / "runs" / name / "oracle+mirror" / "seed0"
     assert bench.run_settings("oracle+mirror", 0, data, overrides, "cpu")["dataset"] == f"data_{name}"
     recorded = json.loads((data / "dataset.json").read_text())
-    assert recorded["target_shift"] == {"long_axis": 1, "mirror_axis0": True, "gamma": None, "blur": [0.8, 1.0],
-                                        "scale": None, "noise": None}
+    assert recorded["target_shift"] == {
+        "long_axis": 1,
+        "mirror_axis0": True,
+        "gamma": None,
+        "blur": [0.8, 1.0],
+        "scale": None,
+        "noise": None,
+    }
     preset = json.loads(overrides["tra_preset"])  # the oracle: the undoing ops of the dataset's own metadata
     assert set(preset) == {"base", "rotate_longitudinal", "mirror_sagittal", "blur_sharpen"}
     report = (tmp_path / f"learning_quality_{name}.md").read_text()

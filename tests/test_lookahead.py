@@ -193,7 +193,7 @@ def test_products_are_zero_for_parameters_the_loss_never_reaches(exact):
     x, y = torch.randn(5, 3, dtype=torch.double), torch.randn(5, 2, dtype=torch.double)
     vectors = [{n: torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(2)]
     products = hessian_vector_products(model, x, y, squared_error, vectors, exact=exact)
-    body = [{n[len("body."):]: t for n, t in vec.items() if n.startswith("body.")} for vec in vectors]
+    body = [{n[len("body.") :]: t for n, t in vec.items() if n.startswith("body.")} for vec in vectors]
     reference = hessian_vector_products(model.body, x, y, squared_error, body, exact=True)
     for hx, ref in zip(products, reference):
         assert list(hx) == [n for n, _ in model.named_parameters()]

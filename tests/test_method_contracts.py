@@ -355,8 +355,14 @@ def test_op_effects_smoothing_range():
     ],
     # ids without the computed floats: their last digits follow the platform's pow, so ids passed on a command
     # line elsewhere (a GPU machine) would not be found
-    ids=["every-2-of-40-decayed", "every-3-of-10-constant", "one-iteration", "last-iteration", "none-planned",
-         "none-planned-5"],  # fmt: skip
+    ids=[
+        "every-2-of-40-decayed",
+        "every-3-of-10-constant",
+        "one-iteration",
+        "last-iteration",
+        "none-planned",
+        "none-planned-5",
+    ],  # fmt: skip
 )
 def test_logit_budget_learning_rate_by_hand(update_every, total, power, expected):
     policy = CategoricalPolicy([3])

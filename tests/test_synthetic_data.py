@@ -213,7 +213,8 @@ def test_the_ops_that_undo_a_zoom_and_noise_are_named_from_the_catalogues() -> N
     assert shift_undoing_ops({"noise": [0.1, 0.15]}) == {"tra": [{"series": "noise", "op": "noise_std[0.1,0.15)"}],
                                                           "tea": []}  # fmt: skip
     assert describe_shift({"scale": [1.3, 1.4], "noise": [0.1, 0.15]}) == (
-        "scene magnified by 1.3-1.4, Gaussian noise sd 0.1-0.15")
+        "scene magnified by 1.3-1.4, Gaussian noise sd 0.1-0.15"
+    )
 
 
 def test_existing_dataset_is_not_rewritten(tmp_path: Path) -> None:
@@ -313,8 +314,14 @@ def test_only_empty_or_jcsaug_folders_are_written(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------- a target shift given as a mapping
 COMBINED = {"long_axis": 1, "mirror_axis0": True, "blur": [0.8, 1.0]}  # a shift no name stands for
-COMBINED_RECORDED = {"long_axis": 1, "mirror_axis0": True, "gamma": None, "blur": [0.8, 1.0], "scale": None,
-                     "noise": None}
+COMBINED_RECORDED = {
+    "long_axis": 1,
+    "mirror_axis0": True,
+    "gamma": None,
+    "blur": [0.8, 1.0],
+    "scale": None,
+    "noise": None,
+}
 
 
 def _long_axes(label: np.ndarray) -> list[int]:
@@ -352,8 +359,10 @@ def test_a_mapping_shift_makes_the_target_cases_it_asks_for_and_records_them(tmp
 @pytest.mark.parametrize(
     ("shift", "shown"),
     [
-        ({"long_axis": 1, "sigma": 2},
-         r"\['sigma'\]; the keys are \['long_axis', 'mirror_axis0', 'gamma', 'blur', 'scale', 'noise'\]"),
+        (
+            {"long_axis": 1, "sigma": 2},
+            r"\['sigma'\]; the keys are \['long_axis', 'mirror_axis0', 'gamma', 'blur', 'scale', 'noise'\]",
+        ),
         ({"long_axis": 3}, "'long_axis' .* got 3"),
         ({"long_axis": True}, "'long_axis' .* got True"),
         ({"long_axis": 1.0}, r"'long_axis' .* got 1\.0"),
@@ -384,8 +393,14 @@ def test_mappings_are_normalised_and_a_mapping_equal_to_a_named_shift_is_that_sh
     name, target = resolve_target_shift(COMBINED)
     assert (name, target) == ("custom", {**COMBINED_RECORDED, "blur": (0.8, 1.0)})
     # the source domain itself is a valid control: no shift, no undoing op
-    assert resolve_target_shift({})[1] == {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": None,
-                                           "scale": None, "noise": None}
+    assert resolve_target_shift({})[1] == {
+        "long_axis": 0,
+        "mirror_axis0": False,
+        "gamma": None,
+        "blur": None,
+        "scale": None,
+        "noise": None,
+    }
     assert describe_shift({}) == "no shift" and shift_undoing_ops({}) == {"tra": [], "tea": []}
     assert describe_shift(COMBINED).startswith("lesion long axis rotated from array axis 0 to 1, placement")
 

@@ -35,8 +35,11 @@ def _build_ops(p: argparse.ArgumentParser) -> None:
     which.add_argument("--tra", action="store_true", help="the 15 training-time series (SPEC §2)")
     which.add_argument("--tea", action="store_true", help="the 84 test-time operations (SPEC §3)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--catalogue", default="spec",
-                   help="TRA catalogue for --tra: spec (signed ops draw their sign; default) or split-signs")
+    p.add_argument(
+        "--catalogue",
+        default="spec",
+        help="TRA catalogue for --tra: spec (signed ops draw their sign; default) or split-signs",
+    )
     sub = p.add_subparsers(dest="ops_command")
     from jcsaug.viz import build_gallery_parser
 
@@ -124,9 +127,7 @@ def _run_policy(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.preset:
-            data = policies_to_dict(
-                tra=make_tra_policy(args.preset, num_groups=args.groups, catalogue=args.catalogue)
-            )
+            data = policies_to_dict(tra=make_tra_policy(args.preset, num_groups=args.groups, catalogue=args.catalogue))
         else:
             data = policies_to_dict(*load_policies(args.path))
     except (KeyError, ValueError) as err:
