@@ -23,6 +23,12 @@ CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" /
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def retaining_stats(bent: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    """``bent`` (an image's intensity curve bent by a gamma) moved back to ``image``'s mean and standard deviation:
+    the expected output of the catalogues' gamma, written out by hand."""
+    return (bent - bent.mean()) / bent.std() * image.std() + image.mean()
+
+
 def synthetic_tra_policy(preset: str = "nnunet", num_groups: int = 2):
     """A TRA policy of the synthetic bundle's own catalogue (its ``tra_catalogue``), as its runs build them."""
     import yaml

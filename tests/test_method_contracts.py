@@ -362,7 +362,7 @@ def test_op_effects_smoothing_range():
         "last-iteration",
         "none-planned",
         "none-planned-5",
-    ],  # fmt: skip
+    ],
 )
 def test_logit_budget_learning_rate_by_hand(update_every, total, power, expected):
     policy = CategoricalPolicy([3])

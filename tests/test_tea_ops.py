@@ -8,6 +8,7 @@ import pytest
 import torch
 from monai.data import MetaTensor
 
+from helpers import retaining_stats
 from jcsaug.ops.axes import FRONTAL, LONGITUDINAL, SAGITTAL, rotation_plane
 from jcsaug.ops.filters import log_sharpen
 from jcsaug.ops.tea import TEA_OPS, TEAOp, get_tea_op, tea_catalogue_json
@@ -297,11 +298,6 @@ def _ramp() -> torch.Tensor:
     return torch.tensor([0.0, 0.5, 1.0]).view(1, 3, 1, 1)
 
 
-def _retaining_stats(bent: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-    """``bent`` moved back to ``image``'s mean and standard deviation (the catalogue's gamma keeps them)."""
-    return (bent - bent.mean()) / bent.std() * image.std() + image.mean()
-
-
 @pytest.mark.parametrize(
     ("name", "curve"),
     [  # id: the op's name
@@ -318,7 +314,7 @@ def _retaining_stats(bent: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
 def test_gamma_values(name: str, curve) -> None:
     x = _ramp()
     out = get_tea_op(name).transform_image(x)
-    torch.testing.assert_close(out, _retaining_stats(curve(x), x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, retaining_stats(curve(x), x), atol=1e-5, rtol=1e-5)
     expand = "expand" in name
     assert (out.flatten()[1].item() < 0.5) == (expand != name.startswith("inverted"))  # mid grey moved as the curve
 
@@ -326,7 +322,7 @@ def test_gamma_values(name: str, curve) -> None:
 def test_inverted_gamma_acts_on_the_inverted_image() -> None:
     x = torch.tensor([0.0, 0.25, 1.0]).view(1, 3, 1, 1)
     out = get_tea_op("inverted_gamma_expand_0.3").transform_image(x)
-    torch.testing.assert_close(out, _retaining_stats(1 - (1 - x) ** 1.3, x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, retaining_stats(1 - (1 - x) ** 1.3, x), atol=1e-5, rtol=1e-5)
 
 
 def test_shift_scale_and_contrast_values() -> None:
