@@ -53,11 +53,14 @@ def gamma(
     shape = (-1, *([1] * (x.ndim - 1)))
     low, span = low.view(shape), (high - low).view(shape)
     out = (x - low).div_(span + _EPSILON).pow_(_per_sample(exponent, x)).mul_(span).add_(low)
-    if retain_stats:  # one pass each for the input's and the bent sample's std and mean
-        std, mean = torch.std_mean(flat, dim=1)
-        bent_std, bent_mean = torch.std_mean(out.reshape(out.shape[0], -1), dim=1)
-        out = out.sub_(bent_mean.view(shape)).div_(bent_std.view(shape) + _STD_EPSILON)
-        out = out.mul_(std.view(shape)).add_(mean.view(shape))
+    if retain_stats:
+        bent = out.reshape(out.shape[0], -1)
+        out = (
+            out.sub_(bent.mean(1).view(shape))
+            .div_(bent.std(1).view(shape) + _STD_EPSILON)
+            .mul_(flat.std(1).view(shape))
+            .add_(flat.mean(1).view(shape))
+        )
     return out.neg_() if invert else out
 
 
