@@ -39,8 +39,12 @@ def test_train_writes_checkpoints_policies_and_metrics(trained):
     for method in metrics.values():
         assert len(method["per_case"]) == 2
         assert 0.0 <= method["mean_dice"] <= 1.0
-    history = (run / "policy_history.jsonl").read_text().splitlines()
+    history = [json.loads(line) for line in (run / "policy_history.jsonl").read_text().splitlines()]
     assert len(history) == 2
+    effects = history[-1]["op_effects"]  # the paired estimators' op effects, by the probabilities' names
+    assert {tag.split("/")[0] for tag in effects} == {"tra", "tea"}
+    assert set(effects) <= set(history[-1]["probabilities"])
+    assert all(e["measurements"] >= 1 and abs(e["estimate"]) < float("inf") for e in effects.values())
     log = result.stdout + result.stderr
     assert len(re.findall(r"epoch \d: TRA policy \d+ updates, \d+ skipped; most changed this epoch: \S+", log)) == 2
     assert len(re.findall(r"epoch \d: TEA policy \d+ updates", log)) == 2  # INFO: a line per epoch, not per update

@@ -13,6 +13,7 @@ from ignite.engine import Engine, Events
 
 from jcsaug.engine import PolicyExporter
 from jcsaug.engine.export import append_line
+from jcsaug.engine.paired import OpEffects
 from jcsaug.policy import make_tea_policy, make_tra_policy
 from jcsaug.policy.io import load_policies, policies_to_dict, save_policies
 
@@ -52,6 +53,31 @@ def test_exporter_writes_history_scalars_and_policies(tmp_path, monkeypatch):
     loaded_tra, loaded_tea = load_policies(tmp_path / "policies.json")
     assert torch.allclose(loaded_tra.logits, tra.logits) and torch.allclose(loaded_tea.logits, tea.logits)
     assert not list(tmp_path.glob(".policies.json.*"))  # no temporary file left behind
+
+
+def test_history_holds_the_paired_estimators_op_effects_by_the_ops_names(tmp_path):
+    """Each epoch's line carries the running effect estimate and the measurement count of every op a paired
+    updater measured (under the op's probability name); an updater without op effects adds nothing."""
+    tra = make_tra_policy("nnunet", 2)
+    paired = types.SimpleNamespace(name="TRA", policy=tra, effects=OpEffects(tra))
+    gumbel = types.SimpleNamespace(name="TEA", policy=make_tea_policy(), effects=None)
+    series, op = 1, 2
+    measured = iter([-0.5, 1.0])
+
+    def step(engine, batch):  # one measurement of one op of class group 1 per iteration
+        sums, counts = paired.effects.accumulate(
+            torch.tensor([1]), torch.tensor([series]), torch.tensor([op]), torch.tensor([next(measured)])
+        )
+        paired.effects.gradient(sums, counts)
+
+    engine = Engine(step)
+    PolicyExporter(tmp_path, tra, updaters=[paired, gumbel]).attach(engine)
+    engine.run([0], max_epochs=2)
+    history = [json.loads(line) for line in (tmp_path / "policy_history.jsonl").read_text().splitlines()]
+    tag = f"tra/group1/{tra.series_names[series]}/{tra.op_names[series][op]}"
+    assert tag in history[0]["probabilities"]
+    assert history[0]["op_effects"] == {tag: {"estimate": -0.5, "measurements": 1}}
+    assert history[1]["op_effects"] == {tag: {"estimate": 0.25, "measurements": 2}}  # the first two averaged
 
 
 @pytest.mark.parametrize("exporter_first", [True, False])

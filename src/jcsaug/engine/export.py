@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import ignite.distributed as idist
@@ -59,20 +60,48 @@ def append_line(path: str | Path, line: str) -> None:
 
 
 def _probability_scalars(prefix: str, policy: CategoricalPolicy) -> dict[str, float]:
+    tags = _op_tags(prefix, policy)
     out = {}
     for s, probs in enumerate(policy.probabilities()):
         for g in range(policy.num_groups):
-            group = f"group{g}/" if policy.num_groups > 1 else ""
             for j, p in enumerate(probs[g].tolist()):
-                out[f"{prefix}/{group}{policy.series_names[s]}/{policy.op_names[s][j]}"] = p
+                out[tags[g][policy.offsets[s] + j]] = p
     return out
+
+
+def _op_tags(prefix: str, policy: CategoricalPolicy) -> list[list[str]]:
+    """``[group][flat op index] -> tag`` (``prefix/[groupG/]series/op``), in the order of the policy's logits."""
+    return [
+        [
+            f"{prefix}/{f'group{g}/' if policy.num_groups > 1 else ''}{policy.series_names[s]}/{op}"
+            for s in range(policy.num_series)
+            for op in policy.op_names[s]
+        ]
+        for g in range(policy.num_groups)
+    ]
+
+
+def _op_effect_entries(updater) -> dict[str, dict[str, float]]:
+    """A paired-estimator updater's running op-effect estimates (:class:`~jcsaug.engine.paired.OpEffects`), by the
+    op's tag: ``{"estimate": D, "measurements": n}`` for every op measured at least once (an identity never is)."""
+    effects = getattr(updater, "effects", None)
+    if effects is None:
+        return {}
+    tags = _op_tags(updater.name.lower(), updater.policy)
+    return {
+        tags[g][i]: {"estimate": float(effects.estimate[g, i]), "measurements": int(effects.count[g, i])}
+        for g, i in (effects.count > 0).nonzero().tolist()
+    }
 
 
 class PolicyExporter:
     """Write the policies of a run (rank 0 only).
 
     * every epoch: one line of probabilities appended to ``output_dir/policy_history.jsonl`` (whole lines only,
-      :func:`append_line`);
+      :func:`append_line`); with ``updaters`` whose estimator measures op effects (``paired``), the line also
+      holds ``op_effects``: each measured op's running effect estimate and how often it was measured so far (the
+      numbers its logit's steps are made of: a negative effect lowers the validation loss, and its logit rises
+      while its effect is below its series' probability-weighted mean), by the same names as the probabilities;
     * when ``tensorboard_dir`` is given and tensorboard is installed: a scalar per op probability after every
       policy update (every iteration that changed a policy), at that iteration's step, whether the exporter is
       attached before or after the policy updaters;
@@ -86,9 +115,12 @@ class PolicyExporter:
         tra_policy: CategoricalPolicy | None = None,
         tea_policy: CategoricalPolicy | None = None,
         tensorboard_dir: str | Path | None = None,
+        updaters: Iterable | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.tra_policy, self.tea_policy = tra_policy, tea_policy
+        #: the policy updaters whose op-effect estimates go into the history (e.g. a bundle's ``policy_updaters``)
+        self.updaters = list(updaters or [])
         self.tensorboard_dir = tensorboard_dir
         self._writer = None
 
@@ -148,6 +180,9 @@ class PolicyExporter:
         self._iteration(engine)  # an update that ran after the scalars handler (an updater attached during the run)
         scalars = self._scalars()
         record = {"epoch": engine.state.epoch, "iteration": engine.state.iteration, "probabilities": scalars}
+        effects = {tag: entry for updater in self.updaters for tag, entry in _op_effect_entries(updater).items()}
+        if effects:
+            record["op_effects"] = effects
         append_line(self.output_dir / "policy_history.jsonl", json.dumps(record))
         if self._writer is not None:
             self._writer.flush()
