@@ -108,10 +108,11 @@ def test_fixed_modes_reuse_both_policies_of_a_policies_json(trained, tmp_path):
 
 
 def test_tra_cascade_on_the_device(tmp_path):
-    """augment_on: device (the default on a GPU): BatchTRACascaded on every batch, and the TRA update still learns."""
+    """augment_on: device (the default on a GPU): BatchTRACascaded on every batch, and the TRA update still learns
+    (here with the copies in pairs, ``tra_exploration uniform``, that the cascade makes and the updater scores)."""
     small_dataset(tmp_path)
     run_bundle(tmp_path, "train.yaml", max_epochs=1, epoch_length=2, num_workers=0, tra_update_every=1,
-               tea_mode="none", augment_on="device", device="cpu")  # fmt: skip
+               tea_mode="none", augment_on="device", device="cpu", tra_exploration="uniform")  # fmt: skip
     updates = json.loads((tmp_path / "run" / "metrics.json").read_text())["policy_updates"]
     assert updates["TRA"]["updates"] == 2, updates  # the op record reached the updater
     tra, _ = load_policies(tmp_path / "run" / "policies.json")

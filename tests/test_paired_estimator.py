@@ -126,6 +126,64 @@ def test_explored_ops_are_uniform_over_all_ops():
     assert abs(counts - expected).max() < 5 * math.sqrt(expected)
 
 
+def _explored(cascade: TRACascaded, choices: np.ndarray, draws: int) -> np.ndarray:
+    """How often each (series, op) of the catalogue is explored (applied where the sample drew another op)."""
+    index = {pair: i for i, pair in enumerate(cascade._explorable)}
+    counts = np.zeros(len(index))
+    for _ in range(draws):
+        params = sample_tra_params(choices, cascade.R)
+        for s, op, _ in cascade.randomize_counterfactuals(choices, params):
+            if op != 0 and op != choices[s]:
+                counts[index[(s, op)]] += 1
+    return counts
+
+
+def test_uniform_exploration_pairs_copies_and_explores_whatever_the_policy():
+    """``exploration="uniform"``: copies in pairs on one series (the identity and an explored op where the sample
+    drew an op there, two explored ops where it drew the identity), and every op is explored even when the
+    sample drew a non-identity op in every series, where ``"drawn"`` explores nothing."""
+    policy = make_tra_policy({}, num_groups=1)
+    choices = np.ones(len(TRA_SERIES), dtype=np.int64)  # no identity drawn anywhere
+    uniform = TRACascaded("image", policy, counterfactuals=4, exploration="uniform").set_random_state(0)
+    drawn = TRACascaded("image", policy, counterfactuals=4).set_random_state(0)
+    assert _explored(drawn, choices, 50).sum() == 0  # the default only scores the sample's own ops here
+    counts = _explored(uniform, choices, 400)
+    own = [i for i, (s, op) in enumerate(uniform._explorable) if op == 1]
+    assert counts[own].sum() == 0  # never the sample's own op
+    assert (np.delete(counts, own) > 0).all()  # every other op of every series
+    for own in (choices, np.zeros(len(TRA_SERIES), dtype=np.int64)):
+        params = sample_tra_params(own, uniform.R)
+        copies = [(s, op) for s, op, _ in uniform.randomize_counterfactuals(own, params)]
+        assert len(copies) == 4
+        for (s1, op1), (s2, op2) in zip(copies[::2], copies[1::2]):
+            assert s1 == s2
+            if own[s1]:  # the identity there, then an op other than the sample's own
+                assert op1 == 0 and op2 not in (0, own[s1])
+            else:  # two explored ops
+                assert op1 != 0 and op2 != 0
+    image = {"image": torch.randn(1, 8, 8, 8), "class_group": 0}
+    assert uniform(image)["tra_cf_ops"].shape == (4, 2)
+    with pytest.raises(ValueError, match=r"in pairs: counterfactuals must be even, got 3"):
+        TRACascaded("image", policy, counterfactuals=3, exploration="uniform")
+    with pytest.raises(KeyError, match=r"unknown counterfactual exploration 'everywhere'; valid names: drawn, uniform"):
+        TRACascaded("image", policy, counterfactuals=2, exploration="everywhere")
+
+
+@method
+def test_an_explored_op_is_scored_against_the_copy_with_the_identity():
+    """Where the sample drew an op in the series a copy explores, the explored op's effect is its copy's score
+    minus the score of the copy with the identity there (same patch), not the sample's."""
+    scores = torch.tensor([1.0, 2.0])
+    cf_scores = torch.tensor([[5.0, 7.0], [11.0, 13.0]])
+    series = torch.tensor([[3, 3], [4, 4]])
+    cf_op = torch.tensor([[0, 2], [1, 2]])  # sample 0: identity + op 2 (drew op 1); sample 1: ops 1 and 2 (drew 0)
+    drawn = torch.tensor([[1, 1], [0, 0]])
+    reference = TRAPolicyUpdater._identity_scores(scores, cf_scores, series, cf_op, drawn)
+    assert reference.tolist() == [[1.0, 5.0], [2.0, 2.0]]
+    with pytest.raises(ValueError, match=r"copy 0 of sample 0 applies op 2 of series 3, where the sample drew op 1"):
+        TRAPolicyUpdater._identity_scores(scores, cf_scores, series, torch.tensor([[2, 2], [1, 2]]), drawn)
+
+
 # ------------------------------------------------------------------------------------------- op effects
 @method
 def test_op_effects_gradient_by_hand():

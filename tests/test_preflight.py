@@ -97,6 +97,7 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tra_estimator", "gumble", "must be one of gumbel, paired"),
         ("tea_estimator", "pair", "must be one of gumbel, paired"),
         ("tra_direction", "orthogonal", "must be one of validation, beyond-training"),
+        ("tra_exploration", "everywhere", "must be one of drawn, uniform"),
         ("tea_op_score", "pair",
          "must be one of alone, alone-logits, alone-hard, with-identity, with-identity-hard, ensemble"),
         ("tea_sliding_window", "sometimes", "must be true or false"),
@@ -142,6 +143,10 @@ def test_settings_the_updaters_accept_pass():
         ({"tra_mode": "class-specific", "tra_estimator": "paired", "tra_counterfactuals": 0},
          "--tra_counterfactuals 0: the paired TRA estimator (tra_estimator paired) of tra_mode 'class-specific' needs "
          "at least 1 counterfactual copy per training patch"),
+        ({"tra_mode": "class-specific", "tra_estimator": "paired", "tra_counterfactuals": 3,
+          "tra_exploration": "uniform"},
+         "--tra_counterfactuals 3: tra_exploration 'uniform' makes the counterfactual copies in pairs: give an even "
+         "number"),
         ({"tea_z": 1, "tea_identity_weight": 0.5},
          "--tea_z 1: with a tea_identity_weight (0.5) the learned TTA holds the identity and at least one op: tea_z "
          "must be >= 2"),
@@ -166,6 +171,7 @@ def test_settings_that_do_not_go_together_are_refused(settings, expected):
         {"tea_mode": "heuristic", "tea_estimator": "paired", "num_tea_copies": 84},
         {"tra_mode": "heuristic", "tra_estimator": "paired", "tra_counterfactuals": 0},
         {"tra_mode": "class-specific", "tra_estimator": "gumbel", "tra_counterfactuals": 0},
+        {"tra_mode": "heuristic", "tra_estimator": "paired", "tra_counterfactuals": 3, "tra_exploration": "uniform"},
         {"tea_z": 1, "tea_identity_weight": None},
         {"tea_z": 2, "tea_identity_weight": 0.5},
     ],

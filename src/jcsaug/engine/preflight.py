@@ -309,6 +309,7 @@ def _validators() -> dict[str, Any]:
     from jcsaug.engine.tea_updater import TEA_ESTIMATORS, TEA_OP_SCORES
     from jcsaug.engine.tra_updater import TRA_DIRECTIONS, TRA_ESTIMATORS
     from jcsaug.ops.tra import TRA_CATALOGUES
+    from jcsaug.policy.cascade import CF_EXPLORATIONS
 
     positive = ("max_epochs", "epoch_length", "tra_update_every", "tea_update_every", "num_tea_copies",
                 "posthoc_iterations", "samples_per_case", "cases_per_batch", "train_cases_per_batch", "val_batch_size",
@@ -331,6 +332,7 @@ def _validators() -> dict[str, Any]:
         "tra_estimator": _one_of(TRA_ESTIMATORS),
         "tra_catalogue": _one_of(TRA_CATALOGUES),
         "tra_direction": _one_of(TRA_DIRECTIONS),
+        "tra_exploration": _one_of(CF_EXPLORATIONS),
         "tea_estimator": _one_of(TEA_ESTIMATORS),
         "tea_op_score": _one_of(TEA_OP_SCORES),
         "augment_on": _one_of(AUGMENT_ON),
@@ -427,6 +429,12 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
         problems.append(
             f"--tra_counterfactuals {k!r}: the paired TRA estimator (tra_estimator paired) of tra_mode {tra.name!r} "
             "needs at least 1 counterfactual copy per training patch"
+        )
+    paired_tra = tra and tra.learned and settings.get("tra_estimator") == "paired"
+    if paired_tra and settings.get("tra_exploration") == "uniform" and valid("tra_counterfactuals") and k % 2:
+        problems.append(
+            f"--tra_counterfactuals {k!r}: tra_exploration 'uniform' makes the counterfactual copies in pairs: "
+            "give an even number"
         )
     weight = settings.get("tea_identity_weight")
     if weight is not None and valid("tea_identity_weight") and valid("tea_z") and settings["tea_z"] < 2:

@@ -426,6 +426,25 @@ class TRAPolicyUpdater(PolicyUpdater):
         drawn = self.policy.drawn_mask(choices, groups) if self.mask_undrawn else None
         self.step(engine, (coefficients.to(weights.dtype) * weights).sum(), drawn)
 
+    @staticmethod
+    def _identity_scores(
+        scores: torch.Tensor, cf_scores: torch.Tensor, series: torch.Tensor, cf_op: torch.Tensor, drawn: torch.Tensor
+    ) -> torch.Tensor:
+        """``[n, K]``: for each copy that explores an op, the score of its patch with the identity in that series:
+        the sample's own where it drew the identity there, else the sample's copy with the identity in that
+        series (``TRACascaded(exploration="uniform")`` makes one beside every such copy)."""
+        reference = scores[:, None].expand_as(cf_scores).clone()
+        for i, k in ((cf_op != 0) & (drawn != 0)).nonzero().tolist():
+            (identity,) = ((series[i] == series[i, k]) & (cf_op[i] == 0)).nonzero(as_tuple=True)
+            if identity.numel() == 0:
+                raise ValueError(
+                    f"counterfactual copy {k} of sample {i} applies op {int(cf_op[i, k])} of series "
+                    f"{int(series[i, k])}, where the sample drew op {int(drawn[i, k])}, and no copy of the sample has "
+                    "the identity there to score it against"
+                )
+            reference[i, k] = cf_scores[i, identity[0]]
+        return reference
+
     def _paired_step(
         self,
         engine: Engine,
@@ -440,7 +459,8 @@ class TRAPolicyUpdater(PolicyUpdater):
         drawn = choices.gather(1, series)  # the sample's own op in the copy's series
         scored_op = torch.where(cf_op == 0, drawn, cf_op)
         # the op's score minus the identity's, on the same patch with the same other ops
-        effect = torch.where(cf_op == 0, scores[:, None] - cf_scores, cf_scores - scores[:, None])
+        effect = torch.where(cf_op == 0, scores[:, None] - cf_scores, cf_scores - self._identity_scores(
+            scores, cf_scores, series, cf_op, drawn))  # fmt: skip
         group = groups[:, None].expand_as(series)
         sums, counts = self.effects.accumulate(group.reshape(-1), series.reshape(-1), scored_op.reshape(-1),
                                                effect.reshape(-1))  # fmt: skip

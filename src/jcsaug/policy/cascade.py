@@ -23,10 +23,24 @@ from jcsaug.ops.tra import (
 )
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.transforms import DEFAULT_GROUP_KEY, _group_of
+from jcsaug.registry import Registry
 
 DEFAULT_OP_KEY = "tra_ops"
 DEFAULT_CF_OP_KEY = "tra_cf_ops"
 COUNTERFACTUAL_SUFFIX = "_cf"
+
+#: how the counterfactual copies of the paired TRA estimator choose what they change (``TRACascaded(exploration=)``)
+CF_EXPLORATIONS: Registry[str] = Registry(
+    "counterfactual exploration",
+    {
+        "drawn": "each copy changes one series: the sample's own op there becomes the identity (it scores that op), "
+        "or, where the sample drew the identity, a uniformly drawn op (it explores); ops are explored as often as "
+        "the identity is drawn",
+        "uniform": "copies in pairs on one series: one explores a uniformly drawn op, the other has the identity "
+        "there (or, where the sample drew the identity, explores a second op); every op is explored at a rate that "
+        "does not depend on the policy",
+    },
+)
 
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +94,13 @@ class TRACascaded(Randomizable, MapTransform):
             ``key + "_cf"`` (``[K, C, X, Y, Z]``) for every image and label key and ``cf_op_key`` (``[K, 2]``:
             series, op of the copy). 0 (default) makes none and adds nothing to the sample.
         cf_op_key: where the counterfactual (series, op) pairs are stored.
+        exploration: how the copies choose what they change (:data:`CF_EXPLORATIONS`): ``"drawn"`` (default) as
+            above, where an op is explored only when the sample drew its series' identity, so an op the policy has
+            made rare is measured less and less once other ops take its series over; ``"uniform"`` (K even) makes
+            the copies in pairs on one series (drawn as above): one copy applies a uniformly drawn op other than
+            the sample's own, the other has the identity there (it scores the sample's own op, and the explored
+            op is scored against it on the same patch) or, where the sample drew the identity, a second explored
+            op. Every op is then explored at a rate of its own, whatever the policy (beyond the paper).
 
     Example::
 
@@ -103,6 +124,7 @@ class TRACascaded(Randomizable, MapTransform):
         allow_missing_keys: bool = False,
         counterfactuals: int = 0,
         cf_op_key: str = DEFAULT_CF_OP_KEY,
+        exploration: str = "drawn",
     ) -> None:
         MapTransform.__init__(self, keys, allow_missing_keys)
         #: the catalogue of the policy's ops (``spec`` or ``split-signs``): what a drawn op index means
@@ -110,6 +132,12 @@ class TRACascaded(Randomizable, MapTransform):
         if int(counterfactuals) < 0:
             raise ValueError(f"counterfactuals must be >= 0, got {counterfactuals}")
         self.counterfactuals = int(counterfactuals)
+        self.exploration = CF_EXPLORATIONS.key(exploration)  # an unknown name: an error listing the valid ones
+        if self.exploration == "uniform" and self.counterfactuals % 2:
+            raise ValueError(
+                f"exploration 'uniform' makes the counterfactual copies in pairs: counterfactuals must be even, "
+                f"got {counterfactuals}"
+            )
         self.cf_op_key = cf_op_key
         # every non-identity op of every series as (series, op): the copies draw uniformly from this list
         self._explorable = [(s, j) for s, series in enumerate(self.series) for j in range(1, series.size)]
@@ -128,7 +156,11 @@ class TRACascaded(Randomizable, MapTransform):
         return choices, sample_tra_params(choices, self.R, self.series)
 
     def randomize_counterfactuals(self, choices: np.ndarray, params: TRAParams) -> list[tuple[int, int, TRAParams]]:
-        """The K counterfactual copies: ``(series, op of the copy, its params)`` (see ``counterfactuals``)."""
+        """The K counterfactual copies: ``(series, op of the copy, its params)`` (see ``counterfactuals`` and
+        ``exploration``)."""
+        if self.exploration == "uniform":
+            pairs = [self._uniform_pair(choices) for _ in range(self.counterfactuals // 2)]
+            return [(s, j, replace_series_op(params, s, j, self.R, self.series)) for pair in pairs for s, j in pair]
         out = []
         for _ in range(self.counterfactuals):
             series, op = self._explorable[int(self.R.randint(len(self._explorable)))]
@@ -136,6 +168,19 @@ class TRACascaded(Randomizable, MapTransform):
                 op = 0
             out.append((series, op, replace_series_op(params, series, op, self.R, self.series)))
         return out
+
+    def _uniform_pair(self, choices: np.ndarray) -> list[tuple[int, int]]:
+        """Two copies on one series (``exploration="uniform"``): an explored op other than the sample's own, and
+        the identity there, or a second explored op where the sample drew the identity."""
+        series, op = self._explorable[int(self.R.randint(len(self._explorable)))]
+        own = int(choices[series])
+        others = [j for j in range(1, self.series[series].size) if j not in (op, own)]
+        if own != 0:
+            if op == own and others:  # explore an op the sample did not draw
+                op = others[int(self.R.randint(len(others)))]
+            return [(series, 0), (series, op)]
+        second = others[int(self.R.randint(len(others)))] if others else op
+        return [(series, op), (series, second)]
 
     def __call__(self, data: Mapping) -> dict:
         d = dict(data)
@@ -185,6 +230,7 @@ class BatchTRACascaded(TRACascaded):
             them (``key + "_cf"``: ``[B, K, C, X, Y, Z]``; ``cf_op_key``: ``[B, K, 2]``); all B x K copies are
             augmented by the same batched calls, drawn after the B samples' own ops.
         cf_op_key: where the counterfactual (series, op) pairs are stored.
+        exploration: how the copies choose what they change (as :class:`TRACascaded`'s).
     """
 
     def __init__(
@@ -199,10 +245,12 @@ class BatchTRACascaded(TRACascaded):
         allow_missing_keys: bool = False,
         counterfactuals: int = 0,
         cf_op_key: str = DEFAULT_CF_OP_KEY,
+        exploration: str = "drawn",
     ) -> None:
         super().__init__(
-            keys, policy, label_keys, group_key, op_key, padding_mode, allow_missing_keys, counterfactuals, cf_op_key
-        )
+            keys, policy, label_keys, group_key, op_key, padding_mode, allow_missing_keys, counterfactuals, cf_op_key,
+            exploration,
+        )  # fmt: skip
         self.device = None if device is None else torch.device(device)
 
     def _groups(self, d: Mapping, batch: int) -> list[int]:
