@@ -81,7 +81,7 @@ def _op_tags(prefix: str, policy: CategoricalPolicy) -> list[list[str]]:
     ]
 
 
-def _op_effect_entries(updater) -> dict[str, dict[str, float]]:
+def _op_effect_entries(updater: object) -> dict[str, dict[str, float]]:
     """A paired-estimator updater's running op-effect estimates (:class:`~jcsaug.engine.paired.OpEffects`), by the
     op's tag: ``{"estimate": D, "measurements": n}`` for every op measured at least once (an identity never is)."""
     effects = getattr(updater, "effects", None)

@@ -110,7 +110,8 @@ class TRAPolicyUpdater(PolicyUpdater):
       the conditional Gumbel-softmax straight-through weights of the recorded ops (SPEC §4 steps 4-6).
     * ``"paired"`` — paired (counterfactual) scoring, beyond the paper: the pipeline's ``TRACascaded`` also
       makes ``counterfactuals`` copies of each sample that differ in one series (the drawn op replaced by the
-      identity, or an unexplored op put in place of the identity); each copy is scored at ``theta ± eps v``
+      identity, or an unexplored op put in place of the identity; with ``exploration="uniform"`` an explored op
+      is scored against its pair's copy with the identity); each copy is scored at ``theta ± eps v``
       too, and the difference on the same patch is the op's effect on the validation loss, free of the
       patch-to-patch noise. The gradient is the exact softmax gradient of the expected effect
       (:class:`jcsaug.engine.paired.OpEffects`); only the scored ops and their series' identities step.
