@@ -23,6 +23,19 @@ CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" /
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+#: a target shift no name stands for (a quarter turn about the longitudinal axis, a mirror and a blur), as a mapping
+COMBINED_SHIFT = {"long_axis": 1, "mirror_axis0": True, "blur": [0.8, 1.0]}
+#: the same shift as ``dataset.json`` records it (every key of a target shift)
+COMBINED_SHIFT_RECORDED = {
+    "long_axis": 1,
+    "mirror_axis0": True,
+    "gamma": None,
+    "blur": [0.8, 1.0],
+    "scale": None,
+    "noise": None,
+}
+
+
 def retaining_stats(bent: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
     """``bent`` (an image's intensity curve bent by a gamma) moved back to ``image``'s mean and standard deviation:
     the expected output of the catalogues' gamma, written out by hand."""

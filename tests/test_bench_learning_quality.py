@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import load_benchmark
+from helpers import COMBINED_SHIFT, COMBINED_SHIFT_RECORDED, load_benchmark
 from jcsaug.data.synthetic import TARGET_SHIFTS, shift_undoing_ops
 from jcsaug.policy import make_tea_policy, make_tra_policy
 from jcsaug.policy.io import load_policies, policies_to_dict
@@ -330,7 +330,7 @@ def test_a_relative_out_reaches_the_runs_as_the_folder_it_names_here(bench, tmp_
     assert seen["run_dir"].is_absolute() and seen["run_dir"].is_relative_to(tmp_path / "rel")
 
 
-COMBINED = '{"long_axis": 1, "mirror_axis0": true, "blur": [0.8, 1.0]}'  # a shift no name stands for
+COMBINED = json.dumps(COMBINED_SHIFT)  # a shift no name stands for, as --shift takes it
 
 
 def test_a_json_shift_is_parsed_checked_and_named_by_its_mapping(bench):
@@ -376,14 +376,7 @@ def test_a_json_shift_gets_its_own_dataset_runs_report_and_oracle(bench, tmp_pat
     assert data == tmp_path / f"data_{name}" and run_dir == tmp_path / "runs" / name / "oracle+mirror" / "seed0"
     assert bench.run_settings("oracle+mirror", 0, data, overrides, "cpu")["dataset"] == f"data_{name}"
     recorded = json.loads((data / "dataset.json").read_text())
-    assert recorded["target_shift"] == {
-        "long_axis": 1,
-        "mirror_axis0": True,
-        "gamma": None,
-        "blur": [0.8, 1.0],
-        "scale": None,
-        "noise": None,
-    }
+    assert recorded["target_shift"] == COMBINED_SHIFT_RECORDED
     preset = json.loads(overrides["tra_preset"])  # the oracle: the undoing ops of the dataset's own metadata
     assert set(preset) == {"base", "rotate_longitudinal", "mirror_sagittal", "blur_sharpen"}
     report = (tmp_path / f"learning_quality_{name}.md").read_text()

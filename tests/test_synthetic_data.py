@@ -14,6 +14,7 @@ from monai.data import load_decathlon_datalist
 from monai.transforms import LoadImaged
 from scipy import ndimage
 
+from helpers import COMBINED_SHIFT, COMBINED_SHIFT_RECORDED
 from jcsaug.data import make_synthetic_dataset, synthetic_datalist
 from jcsaug.data.synthetic import (
     SPLITS,
@@ -312,16 +313,7 @@ def test_only_empty_or_jcsaug_folders_are_written(tmp_path: Path) -> None:
     assert make_synthetic_dataset(empty, num_train=1, num_val=1, num_test=1, shape=SHAPE, progress=False).is_file()
 
 
-# ------------------------------------------------------------------------------- a target shift given as a mapping
-COMBINED = {"long_axis": 1, "mirror_axis0": True, "blur": [0.8, 1.0]}  # a shift no name stands for
-COMBINED_RECORDED = {
-    "long_axis": 1,
-    "mirror_axis0": True,
-    "gamma": None,
-    "blur": [0.8, 1.0],
-    "scale": None,
-    "noise": None,
-}
+# ------------------------------------------------------- a target shift given as a mapping (helpers.COMBINED_SHIFT)
 
 
 def _long_axes(label: np.ndarray) -> list[int]:
@@ -332,9 +324,9 @@ def _long_axes(label: np.ndarray) -> list[int]:
 
 def test_a_mapping_shift_makes_the_target_cases_it_asks_for_and_records_them(tmp_path: Path) -> None:
     path = make_synthetic_dataset(tmp_path, num_train=2, num_val=2, num_test=2, shape=SHAPE, seed=1,
-                                  progress=False, target_shift=COMBINED)  # fmt: skip
+                                  progress=False, target_shift=COMBINED_SHIFT)  # fmt: skip
     meta = json.loads(path.read_text())
-    assert meta["target_shift"] == COMBINED_RECORDED and meta["domain_shift"]["name"] == "custom"
+    assert meta["target_shift"] == COMBINED_SHIFT_RECORDED and meta["domain_shift"]["name"] == "custom"
     assert meta["domain_shift"]["undone_by"] == {  # a quarter turn about the third axis, the mirror, the blur
         "tra": [{"series": "rotate_longitudinal", "op": "rot90"}, {"series": "mirror_sagittal", "op": "flip"},
                 {"series": "blur_sharpen", "op": "blur[0.8,1)"}],
@@ -352,7 +344,7 @@ def test_a_mapping_shift_makes_the_target_cases_it_asks_for_and_records_them(tmp
     roughness = [np.abs(np.diff(img, axis=1)).mean() for img, _ in cases["training"] + target]
     assert max(roughness[2:]) < 0.7 * min(roughness[:2])  # blurred
     rng = np.random.default_rng(np.random.SeedSequence(1, spawn_key=(1, 0)))  # validation case 0
-    expected = synthesize_case(rng, SHAPE, {**COMBINED_RECORDED, "blur": (0.8, 1.0)})
+    expected = synthesize_case(rng, SHAPE, {**COMBINED_SHIFT_RECORDED, "blur": (0.8, 1.0)})
     np.testing.assert_array_equal(cases["validation"][0][0], expected[0])
 
 
@@ -390,8 +382,8 @@ def test_bad_target_shift_mappings_are_refused_naming_key_and_value(tmp_path: Pa
 def test_mappings_are_normalised_and_a_mapping_equal_to_a_named_shift_is_that_shift() -> None:
     assert resolve_target_shift({"blur": [0.8, 1]}) == ("blur", TARGET_SHIFTS["blur"])  # JSON lists, integers
     assert resolve_target_shift("rotate-longitudinal") == ("rotate-longitudinal", TARGET_SHIFTS["rotate-longitudinal"])
-    name, target = resolve_target_shift(COMBINED)
-    assert (name, target) == ("custom", {**COMBINED_RECORDED, "blur": (0.8, 1.0)})
+    name, target = resolve_target_shift(COMBINED_SHIFT)
+    assert (name, target) == ("custom", {**COMBINED_SHIFT_RECORDED, "blur": (0.8, 1.0)})
     # the source domain itself is a valid control: no shift, no undoing op
     assert resolve_target_shift({})[1] == {
         "long_axis": 0,
@@ -402,7 +394,7 @@ def test_mappings_are_normalised_and_a_mapping_equal_to_a_named_shift_is_that_sh
         "noise": None,
     }
     assert describe_shift({}) == "no shift" and shift_undoing_ops({}) == {"tra": [], "tea": []}
-    assert describe_shift(COMBINED).startswith("lesion long axis rotated from array axis 0 to 1, placement")
+    assert describe_shift(COMBINED_SHIFT).startswith("lesion long axis rotated from array axis 0 to 1, placement")
 
 
 def test_a_named_shift_and_the_equal_mapping_share_a_folder_another_mapping_is_flagged(tmp_path: Path) -> None:
@@ -413,14 +405,14 @@ def test_a_named_shift_and_the_equal_mapping_share_a_folder_another_mapping_is_f
         assert make_synthetic_dataset(tmp_path / "named", target_shift={"blur": (0.8, 1.0)}, **kwargs) == named
         as_mapping = make_synthetic_dataset(tmp_path / "mapping", target_shift={"blur": [0.8, 1]}, **kwargs)
     assert as_mapping.read_text() == named.read_text()  # recorded by its name, as if asked by name
-    custom = synthetic_datalist(tmp_path / "custom", target_shift=COMBINED, **kwargs)
+    custom = synthetic_datalist(tmp_path / "custom", target_shift=COMBINED_SHIFT, **kwargs)
     before = custom.stat().st_mtime_ns
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same mapping written otherwise, or any shift: the folder as it is
         same = {"blur": (0.8, 1.0), "gamma": None, "mirror_axis0": True, "long_axis": 1}
         assert make_synthetic_dataset(tmp_path / "custom", target_shift=same, **kwargs) == custom
         assert make_synthetic_dataset(tmp_path / "custom", target_shift=None, **kwargs) == custom
-    other = {**COMBINED, "blur": [0.6, 0.8]}
+    other = {**COMBINED_SHIFT, "blur": [0.6, 0.8]}
     with pytest.warns(UserWarning, match=r"'target_shift': \{'long_axis': 1, 'mirror_axis0': True, 'gamma': None, "
                       r"'blur': \[0\.6, 0\.8\], 'scale': None, 'noise': None\}"):  # fmt: skip
         make_synthetic_dataset(tmp_path / "custom", target_shift=other, **kwargs)
@@ -428,5 +420,5 @@ def test_a_named_shift_and_the_equal_mapping_share_a_folder_another_mapping_is_f
         with pytest.warns(UserWarning, match=f"'target_shift': '{asked}'"):
             make_synthetic_dataset(tmp_path / "custom", target_shift=asked, **kwargs)
     with pytest.warns(UserWarning, match=r"'target_shift': \{'long_axis': 1"):  # a named folder asked for a mapping
-        make_synthetic_dataset(tmp_path / "named", target_shift=COMBINED, **kwargs)
+        make_synthetic_dataset(tmp_path / "named", target_shift=COMBINED_SHIFT, **kwargs)
     assert custom.stat().st_mtime_ns == before
