@@ -283,10 +283,11 @@ def test_every_bundle_runs_the_checks_and_guards(bundle, extra):
         ("synthetic_lesion", ["tra_estimator", "tea_estimator", "tra_counterfactuals", "tra_logit_budget",
                               "tea_logit_budget", "val_batches", "val_average", "tea_patches", "tra_policy",
                               "tea_policy", "tra_lookahead", "tea_patch_size", "tea_poly_power", "augment_on",
-                              "network_def#channels", "overwrite", "tra_direction", "tra_exploration"]),
+                              "network_def#channels", "overwrite", "tra_direction", "tra_exploration",
+                              "tra_poly_power", "tra_start"]),
         ("kits19_tumor", ["network", "network_kwargs", "tra_policy", "tea_policy", "augment_on", "test_split",
                           "cache_rate", "overwrite", "train_fraction", "tea_poly_power", "tra_direction",
-                          "tra_exploration"]),
+                          "tra_exploration", "tra_poly_power", "tra_start"]),
     ],
 )  # fmt: skip
 def test_the_settings_of_issues_10_and_13_are_known_override_ids(bundle, ids):
@@ -345,6 +346,20 @@ def test_tea_poly_power_reaches_the_tea_updater_only(monkeypatch, tmp_path, data
     updaters = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser.get_parsed_content("policy_updaters")
     assert updaters.tea.poly_power == (0.0 if tea_poly_power is None else tea_poly_power)
     assert updaters.tra.poly_power == 0.9
+
+
+@pytest.mark.parametrize(
+    ("overrides", "poly_power", "start"), [({}, 0.9, 0.0), ({"tra_poly_power": 0, "tra_start": 0.25}, 0.0, 0.25)]
+)
+def test_tra_poly_power_and_start_reach_the_tra_updater_only(
+    monkeypatch, tmp_path, dataset, overrides, poly_power, start
+):
+    """The TRA's beta decays as in the paper and it learns from the first iteration by default; the overrides
+    reach the TRA updater (and its resume settings) only."""
+    updaters = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser.get_parsed_content("policy_updaters")
+    assert (updaters.tra.poly_power, updaters.tra.start) == (poly_power, start)
+    assert (updaters.tea.poly_power, updaters.tea.start) == (0.0, 0.0)
+    assert updaters.tra.resume_settings().get("start", 0.0) == start
 
 
 # ----------------------------------------------------------------------------------------------- every setting checked

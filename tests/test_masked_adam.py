@@ -158,3 +158,53 @@ def test_logit_budget_sets_the_learning_rate_from_the_planned_updates():
     assert sum(updater.base_lr * d for d in decay) == pytest.approx(3.0)
     with pytest.raises(ValueError, match="logit_budget"):
         TEAPolicyUpdater(policy, tiny_unet(), [], logit_budget=0.0)
+
+
+def test_start_holds_the_policy_until_its_share_of_the_run_and_spreads_the_budget_after_it():
+    """``start=0.5`` of 20 iterations: the TRA's first update is at iteration 12 (update_every 2 after 10), the
+    policy and its Adam state are untouched until then, no parameters are snapshotted, and the budget is spread
+    over the 5 updates from 12 to 20 only."""
+    torch.manual_seed(0)
+    policy = make_tra_policy("nnunet", num_groups=2)
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    batches = [lesion_batch(4, seed=i, tra_policy=policy) for i in range(4)]
+    updater = TRAPolicyUpdater(policy, net, [lesion_batch(4, seed=9)], opt, update_every=2, val_loss="ce",
+                               logit_budget=2.0, start=0.5)  # fmt: skip
+    engine = train_engine(net, opt)
+    updater.attach(engine)
+    initial = policy.logits.detach().clone()
+    seen = []
+
+    @engine.on(Events.ITERATION_COMPLETED)
+    def _record(e):
+        seen.append((e.state.iteration, updater.updates, torch.equal(policy.logits.detach(), initial)))
+
+    engine.run(batches, max_epochs=5)  # 20 iterations
+    assert [u for _, u, _ in seen] == [0] * 11 + [1, 1, 2, 2, 3, 3, 4, 4, 5]
+    assert all(same for i, _, same in seen if i < 12) and not seen[-1][2]
+    decay = [(1 - (t - 1) / 20) ** 0.9 for t in (12, 14, 16, 18, 20)]
+    assert updater.base_lr == pytest.approx(2.0 / sum(decay))
+    assert updater.resume_settings()["start"] == 0.5
+    assert "start" not in TRAPolicyUpdater(policy, net, [], opt).resume_settings()  # older checkpoints match
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="start must be a share of the run"):
+            TRAPolicyUpdater(policy, net, [], opt, start=bad)
+
+
+def test_no_snapshot_during_the_warm_up():
+    policy = make_tra_policy("nnunet", num_groups=2)
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    updater = TRAPolicyUpdater(policy, net, [lesion_batch(4, seed=9)], opt, lr=0.01, val_loss="ce", start=0.75)
+    engine = train_engine(net, opt)
+    updater.attach(engine)
+    snapshots = []
+
+    @engine.on(Events.ITERATION_STARTED)
+    def _after_snapshot(e):  # added after the updater's handler: runs after its snapshot
+        snapshots.append(updater._theta is not None)
+
+    engine.run([lesion_batch(4, seed=i, tra_policy=policy) for i in range(4)], max_epochs=1)
+    assert snapshots == [False, False, False, True]
+    assert updater.updates == 1

@@ -88,6 +88,9 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tea_lr", float("inf"), "must be a finite number >= 0"),
         ("posthoc_lr", "fast", "must be a finite number >= 0"),
         ("tea_poly_power", -1, "must be a finite number >= 0"),
+        ("tra_poly_power", float("nan"), "must be a finite number >= 0"),
+        ("tra_start", 1, "must be a number in [0, 1) (the share of the run before the first update)"),
+        ("tra_start", -0.25, "must be a number in [0, 1) (the share of the run before the first update)"),
         ("tra_lookahead", 0.5, "must be a finite number >= 1"),
         ("val_average", 0, "must be a number in (0, 1]"),
         ("val_average", 1.5, "must be a number in (0, 1]"),
@@ -121,7 +124,7 @@ def test_settings_the_updaters_accept_pass():
                    tea_lr=5e-5, posthoc_lr=5e-3, tea_poly_power=0, tra_lookahead=1.5, val_average=1, cache_rate=0.0,
                    tra_logit_budget=None, tea_logit_budget=6, tra_estimator="paired", tea_estimator="gumbel",
                    train_loss="CE + DSC", val_loss="batch-dice", tea_patch_size=None, tra_mode="heuristic")  # fmt: skip
-    check_settings(argv=[], val_loss="DSC", tea_patch_size=[48, 48, 48])
+    check_settings(argv=[], val_loss="DSC", tea_patch_size=[48, 48, 48], tra_poly_power=0, tra_start=0.25)
 
 
 @pytest.mark.parametrize(

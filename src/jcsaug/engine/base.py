@@ -105,6 +105,10 @@ class PolicyUpdater(ABC):
         frequency_scaling: scale each logit's step by the inverse of the share of updates it took part in
             (:class:`~jcsaug.engine.optim.MaskedAdam`), so that every logit can move ``logit_budget`` over a run
             however rarely it is measured; the paired estimators use it.
+        start: the share of the run's planned iterations that passes before the first update (0: update from the
+            first iteration). Until then the policy keeps its initial probabilities and the updater costs nothing;
+            a logit budget is spread over the updates after it. A warm-up for the TRA: the one-step effects
+            measured on an untrained network push up ops that the trained network does not want.
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.
@@ -138,6 +142,7 @@ class PolicyUpdater(ABC):
         name: str = "policy",
         logit_budget: float | None = None,
         frequency_scaling: bool = False,
+        start: float = 0.0,
     ) -> None:
         if update_every < 1:
             raise ValueError(f"update_every must be >= 1, got {update_every}")
@@ -147,6 +152,8 @@ class PolicyUpdater(ABC):
             raise ValueError(f"logit_budget must be finite and > 0, got {logit_budget}")
         if not math.isfinite(poly_power) or poly_power < 0:
             raise ValueError(f"poly_power must be finite and >= 0 (0: a constant learning rate), got {poly_power}")
+        if not 0.0 <= start < 1.0:
+            raise ValueError(f"start must be a share of the run in [0, 1), got {start}")
         self.policy = policy
         self.wrapped_model = model
         self.base_lr = float(lr)
@@ -162,6 +169,9 @@ class PolicyUpdater(ABC):
             "seed": self.seed, "update_every": self.update_every, "poly_power": self.poly_power,
             **({"lr": self.base_lr} if self.logit_budget is None else {"logit_budget": self.logit_budget}),
         }  # fmt: skip
+        self.start = float(start)
+        if self.start:
+            self._settings["start"] = self.start
         self.updates = 0
         self.skipped = 0
         self.skip_reasons: Counter[str] = Counter()  # reason -> how many updates it skipped
@@ -197,8 +207,8 @@ class PolicyUpdater(ABC):
         """With a ``logit_budget``: the base lr from the run's planned updates (see the class docstring).
 
         Checks first that the run's length is known when the schedule needs it (a poly decay or a budget)."""
-        if self.logit_budget is None and self.poly_power == 0:
-            return  # a constant lr: the run's length does not matter
+        if self.logit_budget is None and self.poly_power == 0 and not self.start:
+            return  # a constant lr from the first iteration: the run's length does not matter
         total = self._total_iterations(engine)  # raises, naming the fix, before the first iteration rather than later
         if self.logit_budget is None:
             return
@@ -211,7 +221,18 @@ class PolicyUpdater(ABC):
         if self.update_every > total:  # no update planned (and torch.arange refuses a range that ends before it starts)
             return 0.0
         steps = torch.arange(self.update_every, total + 1, self.update_every, dtype=torch.float64)
+        steps = steps[steps > self._first_iteration(total) - 1]
+        if steps.numel() == 0:
+            return 0.0
         return float(budget / ((1.0 - (steps - 1) / total) ** self.poly_power).sum())  # every term > 0: steps <= total
+
+    def warming_up(self, engine: Engine) -> bool:
+        """Whether the engine's current iteration comes before the first update (see ``start``)."""
+        return bool(self.start) and engine.state.iteration < self._first_iteration(self._total_iterations(engine))
+
+    def _first_iteration(self, total_iterations: int) -> int:
+        """The first iteration (1-based) that may update the policy: the first after ``start`` of the run."""
+        return math.floor(self.start * total_iterations) + 1
 
     def _total_iterations(self, engine: Engine) -> int:
         """The run's planned iterations: ``max_iters`` when ``engine.run`` was given it, else ``max_epochs`` x
@@ -230,6 +251,8 @@ class PolicyUpdater(ABC):
         return int(state.max_epochs * state.epoch_length)
 
     def _run_update(self, engine: Engine) -> None:
+        if self.warming_up(engine):
+            return  # no update, no cost
         log = logger.isEnabledFor(logging.DEBUG)  # the per-update changes are only worth computing if shown
         before = self.policy.probabilities() if log else None
         self._synced = False

@@ -296,6 +296,8 @@ class AugmentationSetup:
         tea_val_loader: Iterable | None = None,
         tea_poly_power: float = 0.9,
         tra_direction: str = "validation",
+        tra_poly_power: float = 0.9,
+        tra_start: float = 0.0,
         tea_inferer: Inferer | None = None,
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
@@ -308,7 +310,9 @@ class AugmentationSetup:
         training patches (whole volumes where they fit) score the ops closer to how they act at test time, on the
         whole image: an intensity op rescales by the image's range, a spatial op has fewer patch borders.
         ``tea_poly_power``: the TEA updater's ``poly_power`` (0: a constant gamma, so the last updates, made with the
-        network the policy is tested with, move the logits as much as the first). ``tea_inferer``: how the TEA
+        network the policy is tested with, move the logits as much as the first); ``tra_poly_power`` the TRA
+        updater's (0.9: beta decays like the network's learning rate, as in the paper); ``tra_start`` its
+        ``start`` (the share of the run before its first update: a warm-up). ``tea_inferer``: how the TEA
         updater predicts its copies (``None``: one pass of the network; the test's ``SlidingWindowInferer``: as
         the TTA predicts, for patches larger than the training patches)."""
         tra = tea = None
@@ -318,7 +322,8 @@ class AugmentationSetup:
                 train_loss=train_loss, val_loss=val_loss, hypergradient=hypergradient,
                 tea_policy=self.tea_policy if self.learn_tea else None, seed=seed, estimator=self.tra_estimator,
                 val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
-                lookahead=tra_lookahead, direction=tra_direction,
+                lookahead=tra_lookahead, direction=tra_direction, poly_power=tra_poly_power,
+                start=tra_start,
             )  # fmt: skip
         if self.learn_tea:
             tea = TEAPolicyUpdater(

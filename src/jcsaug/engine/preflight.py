@@ -145,6 +145,13 @@ def _fraction(low_open: bool) -> Callable[[Any], str | None]:
     return check
 
 
+def _start_share(value: Any) -> str | None:
+    """A share of the run before an updater's first update: a number in ``[0, 1)``."""
+    if _finite(value) and 0 <= value < 1:
+        return None
+    return "must be a number in [0, 1) (the share of the run before the first update)"
+
+
 def _budget(value: Any) -> str | None:
     """A logit budget: ``None`` (the learning rate is used as it is) or a finite number > 0."""
     if value is None or (_finite(value) and value > 0):
@@ -322,6 +329,8 @@ def _validators() -> dict[str, Any]:
         **dict.fromkeys(("tra_lr", "tea_lr", "posthoc_lr"), _at_least(0)),
         **dict.fromkeys(("tra_logit_budget", "tea_logit_budget"), _budget),
         "tea_poly_power": _at_least(0),
+        "tra_poly_power": _at_least(0),
+        "tra_start": _start_share,
         "tra_lookahead": _at_least(1),
         "val_average": _fraction(low_open=True),
         "cache_rate": _fraction(low_open=False),

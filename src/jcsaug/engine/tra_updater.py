@@ -167,6 +167,7 @@ class TRAPolicyUpdater(PolicyUpdater):
             computed that gradient already). Most of ``v`` is the progress any step on
             source patches makes (on the synthetic zoom shift ``v`` and the plain source gradient have a cosine
             of ~0.7): an op is credited for what it adds beyond it, not for a larger step along it.
+        start: the share of the run before the first update (a warm-up; see :class:`PolicyUpdater`).
 
     Example: attached to your own Ignite loop (batches from a pipeline with ``ClassGroupd`` and ``TRACascaded``,
     which record ``class_group`` and ``tra_ops``)::
@@ -226,10 +227,11 @@ class TRAPolicyUpdater(PolicyUpdater):
         lookahead: float = 1,
         lookahead_step: float = 0.5,
         direction: str = "validation",
+        start: float = 0.0,
     ) -> None:
         super().__init__(
             policy, model, lr, update_every, poly_power, seed, name="TRA", logit_budget=logit_budget,
-            frequency_scaling=estimator == "paired",
+            frequency_scaling=estimator == "paired", start=start,
         )  # fmt: skip
         self.mask_undrawn = mask_undrawn
         TRA_ESTIMATORS.key(estimator)  # an unknown name: an error listing the valid ones
@@ -278,6 +280,8 @@ class TRAPolicyUpdater(PolicyUpdater):
 
     def _snapshot(self, engine: Engine) -> None:
         """Keep ``theta`` and the step size of the coming model step (update iterations only)."""
+        if self.warming_up(engine):
+            return
         self._theta = {n: p.detach().clone() for n, p in trainable_parameters(self.model).items()}
         self._alpha = float(self.model_optimizer.param_groups[0]["lr"])
 
