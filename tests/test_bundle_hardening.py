@@ -284,10 +284,10 @@ def test_every_bundle_runs_the_checks_and_guards(bundle, extra):
                               "tea_logit_budget", "val_batches", "val_average", "tea_patches", "tra_policy",
                               "tea_policy", "tra_lookahead", "tea_patch_size", "tea_poly_power", "augment_on",
                               "network_def#channels", "overwrite", "tra_direction", "tra_exploration",
-                              "tra_poly_power", "tra_start"]),
+                              "tra_poly_power", "tra_start", "tra_val_tea"]),
         ("kits19_tumor", ["network", "network_kwargs", "tra_policy", "tea_policy", "augment_on", "test_split",
                           "cache_rate", "overwrite", "train_fraction", "tea_poly_power", "tra_direction",
-                          "tra_exploration", "tra_poly_power", "tra_start"]),
+                          "tra_exploration", "tra_poly_power", "tra_start", "tra_val_tea"]),
     ],
 )  # fmt: skip
 def test_the_settings_of_issues_10_and_13_are_known_override_ids(bundle, ids):
@@ -360,6 +360,19 @@ def test_tra_poly_power_and_start_reach_the_tra_updater_only(
     assert (updaters.tra.poly_power, updaters.tra.start) == (poly_power, start)
     assert (updaters.tea.poly_power, updaters.tea.start) == (0.0, 0.0)
     assert updaters.tra.resume_settings().get("start", 0.0) == start
+
+
+@pytest.mark.parametrize(("tra_val_tea", "transformed"), [(None, True), ("false", False), (True, True)])
+def test_tra_val_tea_decides_whether_the_tra_scores_tea_transformed_validation_patches(
+    monkeypatch, tmp_path, dataset, tra_val_tea, transformed
+):
+    """Joint mode: the TRA's validation batch is transformed by the TEA policy's ops (the paper's, the default);
+    ``--tra_val_tea false`` scores it on the patches as they are; the choice is a resume setting."""
+    overrides = {} if tra_val_tea is None else {"tra_val_tea": tra_val_tea}
+    updaters = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser.get_parsed_content("policy_updaters")
+    assert (updaters.tra.tea_policy is updaters.tea_policy) is transformed and updaters.tea_policy is not None
+    assert (updaters.tra.tea_policy is None) is not transformed
+    assert updaters.tra.resume_settings()["val_tea"] is transformed
 
 
 # ----------------------------------------------------------------------------------------------- every setting checked

@@ -298,6 +298,7 @@ class AugmentationSetup:
         tra_direction: str = "validation",
         tra_poly_power: float = 0.9,
         tra_start: float = 0.0,
+        tra_val_tea: bool = True,
         tea_inferer: Inferer | None = None,
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
@@ -312,7 +313,10 @@ class AugmentationSetup:
         ``tea_poly_power``: the TEA updater's ``poly_power`` (0: a constant gamma, so the last updates, made with the
         network the policy is tested with, move the logits as much as the first); ``tra_poly_power`` the TRA
         updater's (0.9: beta decays like the network's learning rate, as in the paper); ``tra_start`` its
-        ``start`` (the share of the run before its first update: a warm-up). ``tea_inferer``: how the TEA
+        ``start`` (the share of the run before its first update: a warm-up). ``tra_val_tea`` (joint mode): the
+        TRA's validation batch is transformed by ops of the current TEA policy, as in the paper (SPEC §5); ``False``
+        scores the TRA on the validation batch as it is (research: a TEA op the TTA favours, a zoom, is then no
+        reason for the TRA to train on it). ``tea_inferer``: how the TEA
         updater predicts its copies (``None``: one pass of the network; the test's ``SlidingWindowInferer``: as
         the TTA predicts, for patches larger than the training patches)."""
         tra = tea = None
@@ -320,7 +324,8 @@ class AugmentationSetup:
             tra = TRAPolicyUpdater(
                 self.tra_policy, model, val_loader, optimizer, lr=tra_lr, update_every=tra_update_every,
                 train_loss=train_loss, val_loss=val_loss, hypergradient=hypergradient,
-                tea_policy=self.tea_policy if self.learn_tea else None, seed=seed, estimator=self.tra_estimator,
+                tea_policy=self.tea_policy if self.learn_tea and tra_val_tea else None, seed=seed,
+                estimator=self.tra_estimator,
                 val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
                 lookahead=tra_lookahead, direction=tra_direction, poly_power=tra_poly_power,
                 start=tra_start,

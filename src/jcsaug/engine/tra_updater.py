@@ -262,6 +262,7 @@ class TRAPolicyUpdater(PolicyUpdater):
         self.val_loss = chunked_loss(val_loss)
         self.hypergradient = get_hypergradient(hypergradient)
         self.tea_policy = tea_policy
+        self._settings["val_tea"] = tea_policy is not None
         if tea_policy is not None and tea_ops is None:
             from jcsaug.ops.tea import TEA_OPS
 
