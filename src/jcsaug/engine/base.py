@@ -107,8 +107,9 @@ class PolicyUpdater(ABC):
             however rarely it is measured; the paired estimators use it.
         start: the share of the run's planned iterations that passes before the first update (0: update from the
             first iteration). Until then the policy keeps its initial probabilities and the updater costs nothing;
-            a logit budget is spread over the updates after it. A warm-up for the TRA: the one-step effects
-            measured on an untrained network push up ops that the trained network does not want.
+            a logit budget is spread over the updates after it. A warm-up for the TRA, whose first effects are
+            measured on an untrained network (what it changes: ``benchmarks/README.md``, "A warm-up, a constant
+            β…").
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.

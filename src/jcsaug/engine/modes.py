@@ -315,8 +315,8 @@ class AugmentationSetup:
         updater's (0.9: beta decays like the network's learning rate, as in the paper); ``tra_start`` its
         ``start`` (the share of the run before its first update: a warm-up). ``tra_val_tea`` (joint mode): the
         TRA's validation batch is transformed by ops of the current TEA policy, as in the paper (SPEC §5); ``False``
-        scores the TRA on the validation batch as it is (research: a TEA op the TTA favours, a zoom, is then no
-        reason for the TRA to train on it). ``tea_inferer``: how the TEA
+        scores the TRA on the validation batch as it is (research, measured in ``benchmarks/README.md``).
+        ``tea_inferer``: how the TEA
         updater predicts its copies (``None``: one pass of the network; the test's ``SlidingWindowInferer``: as
         the TTA predicts, for patches larger than the training patches)."""
         tra = tea = None
