@@ -222,7 +222,7 @@ class PolicyUpdater(ABC):
         if self.update_every > total:  # no update planned (and torch.arange refuses a range that ends before it starts)
             return 0.0
         steps = torch.arange(self.update_every, total + 1, self.update_every, dtype=torch.float64)
-        steps = steps[steps > self._first_iteration(total) - 1]
+        steps = steps[steps >= self._first_iteration(total)]  # none during a warm-up (``start``)
         if steps.numel() == 0:
             return 0.0
         return float(budget / ((1.0 - (steps - 1) / total) ** self.poly_power).sum())  # every term > 0: steps <= total

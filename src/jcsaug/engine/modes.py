@@ -316,9 +316,8 @@ class AugmentationSetup:
         ``start`` (the share of the run before its first update: a warm-up). ``tra_val_tea`` (joint mode): the
         TRA's validation batch is transformed by ops of the current TEA policy, as in the paper (SPEC §5); ``False``
         scores the TRA on the validation batch as it is (research, measured in ``benchmarks/README.md``).
-        ``tea_inferer``: how the TEA
-        updater predicts its copies (``None``: one pass of the network; the test's ``SlidingWindowInferer``: as
-        the TTA predicts, for patches larger than the training patches)."""
+        ``tea_inferer``: how the TEA updater predicts its copies (``None``: one pass of the network; the test's
+        ``SlidingWindowInferer``: as the TTA predicts, for patches larger than the training patches)."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(
