@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from ignite.engine import Engine, Events
@@ -100,6 +102,46 @@ def test_loads_a_torch_adam_checkpoint():
     q.grad = torch.ones(4)
     masked.step(mask=torch.tensor([True, True, False, False]))
     assert masked.state[q]["step"].tolist() == [2.0, 2.0, 1.0, 1.0]
+
+
+def test_row_second_moment_steps_in_proportion_to_the_gradients():
+    """``second_moment="row"``: one second moment per row (its stepped entries' mean square), so a row's entries
+    move in proportion to their gradients; per-entry Adam moves every entry with a steady sign alike."""
+    p, q = torch.nn.Parameter(torch.zeros(2, 4)), torch.nn.Parameter(torch.zeros(2, 4))
+    by_row, by_entry = MaskedAdam([p], lr=0.1, second_moment="row"), MaskedAdam([q], lr=0.1)
+    mask = torch.tensor([[True, True, True, False], [False, False, False, False]])
+    grad = torch.tensor([[2.0, 0.5, -1.0, 3.0], [1.0, 1.0, 1.0, 1.0]])
+    for _ in range(5):
+        p.grad, q.grad = grad.clone(), grad.clone()
+        by_row.step(mask=mask)
+        by_entry.step(mask=mask)
+    rms = math.sqrt((4.0 + 0.25 + 1.0) / 3)  # the row's RMS over its stepped entries (constant gradients)
+    torch.testing.assert_close(p.detach()[0, :3], -0.5 * grad[0, :3] / rms, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(q.detach()[0, :3], torch.tensor([-0.5, -0.5, 0.5]), rtol=1e-5, atol=1e-7)
+    state = by_row.state[p]
+    assert state["row_step"].flatten().tolist() == [5.0, 0.0]  # a row with no entry selected takes no step
+    assert (p.detach()[0, 3] == 0) and (p.detach()[1] == 0).all()  # unselected entries keep their value...
+    assert state["step"][0, 3] == 0 and state["exp_avg"][0, 3] == 0 and (state["exp_avg_sq"][1] == 0).all()
+    assert torch.allclose(state["exp_avg_sq"][0], state["exp_avg_sq"][0, 0].expand(4))  # ...and share the row's
+    with pytest.raises(ValueError, match=r"second_moment must be 'entry' or 'row', got 'col'"):
+        MaskedAdam([p], second_moment="col")
+
+
+def test_row_second_moment_is_remembered_across_a_checkpoint():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    opt = MaskedAdam([p], lr=0.1, second_moment="row")
+    for _ in range(3):
+        p.grad = torch.randn(2, 3)
+        opt.step(mask=torch.tensor([[True, False, True], [False, True, False]]))
+    q = torch.nn.Parameter(p.detach().clone())
+    restored = MaskedAdam([q], lr=0.1, second_moment="row")
+    restored.load_state_dict(opt.state_dict())
+    grad = torch.randn(2, 3)
+    p.grad, q.grad = grad.clone(), grad.clone()
+    opt.step()
+    restored.step()
+    assert torch.equal(p.detach(), q.detach())
 
 
 @pytest.mark.parametrize("estimator", ["gumbel", "paired"])

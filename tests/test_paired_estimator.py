@@ -213,6 +213,25 @@ def test_op_effects_gradient_by_hand():
     assert torch.equal(restored.estimate, effects.estimate) and torch.equal(restored.count, effects.count)
 
 
+@method
+def test_natural_gradient_is_the_softmax_gradient_without_the_probability():
+    """``natural=True``: ``D_m - b`` on the same entries, i.e. the softmax gradient divided by ``pi``."""
+    policy = CategoricalPolicy([3, 2], num_groups=2)
+    with torch.no_grad():
+        policy.logits.copy_(torch.log(torch.tensor([[0.5, 0.25, 0.25, 0.8, 0.2], [0.6, 0.3, 0.1, 0.5, 0.5]])))
+    measured = (torch.tensor([0, 0, 0, 1]), torch.tensor([0, 0, 1, 0]), torch.tensor([1, 2, 1, 2]))
+    values = torch.tensor([-2.0, 3.0, 1.0, 5.0])
+    plain, natural = OpEffects(policy), OpEffects(policy)
+    grad, mask = plain.gradient(*plain.accumulate(*measured, values))
+    natural_grad, natural_mask = natural.gradient(*natural.accumulate(*measured, values), natural=True)
+    probs = torch.cat([p.double() for p in policy.probabilities()], dim=1)
+    assert torch.equal(natural_mask, mask)
+    torch.testing.assert_close(natural_grad[mask], (grad / probs)[mask], rtol=1e-9, atol=1e-12)
+    assert (natural_grad[~mask] == 0).all()
+    b00 = 0.25 * -2.0 + 0.25 * 3.0  # group 0, series 0: D = [0, -2, 3]
+    assert natural_grad[0, :3].tolist() == pytest.approx([-b00, -2.0 - b00, 3.0 - b00])
+
+
 def test_batch_dice_is_one_dice_over_the_batch():
     from monai.losses import DiceLoss
 
@@ -323,8 +342,11 @@ def _oriented_batches(policy, lesion_axis: int, seed: int, n: int = 8, size: int
         )
 
 
-@pytest.mark.parametrize(("estimator", "lookahead"), [("paired", 1), ("paired", 8), ("gumbel", 1)])
-def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estimator, lookahead):
+@pytest.mark.parametrize(
+    ("estimator", "lookahead", "step_rule"),
+    [("paired", 1, "adam"), ("paired", 8, "adam"), ("paired", 1, "natural"), ("gumbel", 1, "adam")],
+)
+def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estimator, lookahead, step_rule):
     set_determinism(seed=0)
     net = tiny_unet()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -334,7 +356,7 @@ def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estima
     group = ClassGroupd("label")
     val = [list_data_collate([group(_oriented_sample(rng, 12, 2, i % 2 == 0)) for i in range(8)]) for _ in range(4)]
     updater = TRAPolicyUpdater(policy, net, val, opt, estimator=estimator, val_loss="batch-dice", logit_budget=6.0,
-                               seed=0, train_loss="ce+dice", lookahead=lookahead)  # fmt: skip
+                               seed=0, train_loss="ce+dice", lookahead=lookahead, step_rule=step_rule)  # fmt: skip
     engine = train_engine(net, opt)
     updater.attach(engine)
     engine.run(_oriented_batches(policy, lesion_axis=0, seed=0), max_epochs=1, epoch_length=40)
@@ -342,7 +364,7 @@ def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estima
     end = policy.probabilities()[ROT90_FRONTAL[0]][:, ROT90_FRONTAL[1]]
     assert torch.isfinite(policy.logits).all() and updater.updates == 40
     if estimator == "paired":  # the estimator finds the op that undoes the shift, in both class groups (with and
-        # without the look-ahead beyond one step)
+        # without the look-ahead beyond one step, with either step rule)
         assert (end > 2 * start).all(), (start, end)
     else:  # the paper's estimator still runs on the same task (it needs far more updates to find the op)
         assert updater.skipped < 40 and not torch.equal(end, start)
@@ -502,3 +524,9 @@ def test_unknown_estimators_and_missing_copies_are_refused_by_name():
     with pytest.raises(ValueError, match=r"tra_counterfactuals=0: the paired TRA estimator needs at least 1"):
         AugmentationSetup("class-specific", "joint", tra_estimator="paired", tra_counterfactuals=0)
     assert AugmentationSetup("heuristic", "joint", tra_estimator="paired", tra_counterfactuals=0).counterfactuals == 0
+    net, policy = tiny_unet(), make_tra_policy("nnunet", num_groups=2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    with pytest.raises(KeyError, match=r"unknown policy step rule 'sgd'; valid names: adam, natural"):
+        TRAPolicyUpdater(policy, net, None, opt, estimator="paired", step_rule="sgd")
+    with pytest.raises(ValueError, match=r"step_rule 'natural' needs the paired estimator \(op effects\), got 'gu"):
+        TRAPolicyUpdater(policy, net, None, opt, estimator="gumbel", step_rule="natural")

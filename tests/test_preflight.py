@@ -98,6 +98,7 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tra_logit_budget", 0, _BUDGET),
         ("tea_logit_budget", "null", _BUDGET),  # fire reads the word null as a string (None is None)
         ("tra_estimator", "gumble", "must be one of gumbel, paired"),
+        ("tra_step", "sgd", "must be one of adam, natural"),
         ("tea_estimator", "pair", "must be one of gumbel, paired"),
         ("tra_direction", "orthogonal", "must be one of validation, beyond-training"),
         ("tra_exploration", "everywhere", "must be one of drawn, uniform"),
@@ -151,6 +152,9 @@ def test_settings_the_updaters_accept_pass():
           "tra_exploration": "uniform"},
          "--tra_counterfactuals 3: tra_exploration 'uniform' makes the counterfactual copies in pairs: give an even "
          "number"),
+        ({"tra_mode": "class-specific", "tra_estimator": "gumbel", "tra_step": "natural"},
+         "--tra_step 'natural': steps on the op effects of the paired TRA estimator, but tra_estimator is 'gumbel'; "
+         "use tra_estimator paired, or tra_step adam"),
         ({"tea_z": 1, "tea_identity_weight": 0.5},
          "--tea_z 1: with a tea_identity_weight (0.5) the learned TTA holds the identity and at least one op: tea_z "
          "must be >= 2"),
@@ -176,6 +180,7 @@ def test_settings_that_do_not_go_together_are_refused(settings, expected):
         {"tra_mode": "heuristic", "tra_estimator": "paired", "tra_counterfactuals": 0},
         {"tra_mode": "class-specific", "tra_estimator": "gumbel", "tra_counterfactuals": 0},
         {"tra_mode": "heuristic", "tra_estimator": "paired", "tra_counterfactuals": 3, "tra_exploration": "uniform"},
+        {"tra_mode": "heuristic", "tra_estimator": "gumbel", "tra_step": "natural"},  # no TRA is learned
         {"tea_z": 1, "tea_identity_weight": None},
         {"tea_z": 2, "tea_identity_weight": 0.5},
     ],

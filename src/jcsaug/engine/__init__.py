@@ -1,5 +1,6 @@
 """Ignite handlers that learn TRA and TEA policies during training, and the maths behind them."""
 
+from jcsaug.engine.base import POLICY_STEPS
 from jcsaug.engine.checkpoints import (
     AtomicCheckpointSaver,
     SafeCheckpointLoader,
@@ -56,6 +57,7 @@ __all__ = [
     "AUGMENT_ON",
     "resolve_augment_on",
     "HYPERGRADIENTS",
+    "POLICY_STEPS",
     "PolicyUpdaters",
     "RunSummary",
     "TEAMode",

@@ -20,8 +20,19 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from jcsaug.engine.optim import MaskedAdam
 from jcsaug.engine.paired import OpEffects
 from jcsaug.policy.categorical import CategoricalPolicy
+from jcsaug.registry import Registry
 
 logger = logging.getLogger("jcsaug.engine")
+
+#: how the paired estimators' op effects step the logits (``step_rule`` of :class:`PolicyUpdater`)
+POLICY_STEPS: Registry[str] = Registry(
+    "policy step rule",
+    {
+        "adam": "the softmax gradient of the expected effect, each logit scaled by its own Adam second moment",
+        "natural": "the natural gradient (each op's effect less its series' baseline), scaled by one second moment "
+        "per class group: an op moves in proportion to its effect (beyond the paper; paired estimators only)",
+    },
+)
 
 PrepareBatch = Callable[[Mapping, torch.device], tuple[torch.Tensor, torch.Tensor]]
 
@@ -110,6 +121,13 @@ class PolicyUpdater(ABC):
             a logit budget is spread over the updates after it. A warm-up for the TRA, whose first effects are
             measured on an untrained network (what it changes: ``benchmarks/README.md``, "A warm-up, a constant
             β…").
+        step_rule: how the paired estimators' op effects move the logits (:data:`POLICY_STEPS`). ``"adam"``: the
+            softmax gradient ``pi_m (D_m - b)``, each logit with its own Adam second moment, so an op whose effect
+            keeps its sign moves by about the learning rate per step however small the effect. ``"natural"``: the
+            natural gradient ``D_m - b`` (no factor ``pi``) with one Adam second moment per class group
+            (:class:`~jcsaug.engine.optim.MaskedAdam` ``second_moment="row"``), so ops move in proportion to
+            their effects, and a rare op as readily as a frequent one (research; what it changes:
+            ``benchmarks/README.md``).
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.
@@ -144,6 +162,7 @@ class PolicyUpdater(ABC):
         logit_budget: float | None = None,
         frequency_scaling: bool = False,
         start: float = 0.0,
+        step_rule: str = "adam",
     ) -> None:
         if update_every < 1:
             raise ValueError(f"update_every must be >= 1, got {update_every}")
@@ -162,7 +181,11 @@ class PolicyUpdater(ABC):
         self.poly_power = float(poly_power)
         self.name = name
         self.logit_budget = None if logit_budget is None else float(logit_budget)
-        self.optimizer = MaskedAdam(policy.parameters(), lr=lr, frequency_scaling=frequency_scaling)
+        self.step_rule = POLICY_STEPS.key(step_rule)  # an unknown name: an error listing the valid ones
+        self.optimizer = MaskedAdam(
+            policy.parameters(), lr=lr, frequency_scaling=frequency_scaling,
+            second_moment="row" if self.step_rule == "natural" else "entry",
+        )  # fmt: skip
         self.seed = int(seed)
         self.generator = torch.Generator().manual_seed(self.seed + self.seed_offset + idist.get_rank())
         # what a resume must keep (the budget replaces lr when given: lr is then no setting of the run)
@@ -173,6 +196,8 @@ class PolicyUpdater(ABC):
         self.start = float(start)
         if self.start:
             self._settings["start"] = self.start
+        if self.step_rule != "adam":  # (checkpoints of runs before the setting record none: Adam)
+            self._settings["step_rule"] = self.step_rule
         self.updates = 0
         self.skipped = 0
         self.skip_reasons: Counter[str] = Counter()  # reason -> how many updates it skipped

@@ -300,6 +300,7 @@ class AugmentationSetup:
         tra_start: float = 0.0,
         tra_val_tea: bool = True,
         tea_inferer: Inferer | None = None,
+        tra_step: str = "adam",
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
 
@@ -317,7 +318,9 @@ class AugmentationSetup:
         TRA's validation batch is transformed by ops of the current TEA policy, as in the paper (SPEC §5); ``False``
         scores the TRA on the validation batch as it is (research, measured in ``benchmarks/README.md``).
         ``tea_inferer``: how the TEA updater predicts its copies (``None``: one pass of the network; the test's
-        ``SlidingWindowInferer``: as the TTA predicts, for patches larger than the training patches)."""
+        ``SlidingWindowInferer``: as the TTA predicts, for patches larger than the training patches).
+        ``tra_step``: the TRA updater's ``step_rule`` (``"adam"``; ``"natural"``, research: ops move in proportion
+        to their effects, see :class:`~jcsaug.engine.base.PolicyUpdater`)."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(
@@ -327,7 +330,7 @@ class AugmentationSetup:
                 estimator=self.tra_estimator,
                 val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
                 lookahead=tra_lookahead, direction=tra_direction, poly_power=tra_poly_power,
-                start=tra_start,
+                start=tra_start, step_rule=tra_step,
             )  # fmt: skip
         if self.learn_tea:
             tea = TEAPolicyUpdater(

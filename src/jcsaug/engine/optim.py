@@ -22,6 +22,13 @@ class MaskedAdam(torch.optim.Optimizer):
     far per measurement, so over a run every entry can move as far as one stepped every time (an importance
     weight for how often the estimator measures it).
 
+    With ``second_moment="row"`` the second moment is shared by each row of the parameter (its first dimension:
+    a policy's class group; a 1-D parameter is one row): the mean square of the row's stepped entries, averaged over
+    the row's steps. An entry's step is then its first moment over the row's RMS, so entries move in proportion to
+    their gradients (a consistently small gradient moves its entry little), where per-entry Adam moves every entry
+    with a consistent sign by about the learning rate, however small its gradient. The entries of a row outside the
+    mask then keep their value, first moment and step count, but share the row's new second moment.
+
     Why by hand: ``torch.optim.Adam`` moves every entry through its first moment even where the gradient is
     zero (a masked logit kept moving by up to 67 % of a full step), and ``torch.optim.SparseAdam`` counts one
     step per tensor, so an entry first updated at step 100 gets a bias correction for 100 steps it never took
@@ -46,6 +53,7 @@ class MaskedAdam(torch.optim.Optimizer):
         eps: float = 1e-8,
         frequency_scaling: bool = False,
         max_scale: float = 10.0,
+        second_moment: str = "entry",
     ) -> None:
         if lr < 0:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
@@ -53,8 +61,10 @@ class MaskedAdam(torch.optim.Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if max_scale < 1:
             raise ValueError(f"max_scale must be >= 1, got {max_scale}")
+        if second_moment not in ("entry", "row"):
+            raise ValueError(f"second_moment must be 'entry' or 'row', got {second_moment!r}")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "frequency_scaling": bool(frequency_scaling),
-                    "max_scale": float(max_scale)}  # fmt: skip
+                    "max_scale": float(max_scale), "second_moment": second_moment}  # fmt: skip
         super().__init__(params, defaults)
 
     def _state_of(self, p: torch.Tensor) -> dict:
@@ -92,13 +102,19 @@ class MaskedAdam(torch.optim.Optimizer):
                 grad = p.grad
                 step = torch.where(sel, state["step"] + 1, state["step"])
                 exp_avg = torch.where(sel, state["exp_avg"] * beta1 + (1 - beta1) * grad, state["exp_avg"])
-                exp_avg_sq = torch.where(
-                    sel, state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad, state["exp_avg_sq"]
-                )
                 safe_step = step.clamp(min=1)  # entries never stepped: any value, they are masked out below
+                row_wise = group.get("second_moment", "entry") == "row"
+                if row_wise:
+                    exp_avg_sq, row_step = self._row_second_moment(state, grad, sel, beta2)
+                    second_steps = row_step.clamp(min=1).expand_as(_rows(p)).reshape(p.shape)
+                else:
+                    exp_avg_sq = torch.where(
+                        sel, state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad, state["exp_avg_sq"]
+                    )
+                    second_steps = safe_step
                 # bias corrections in float64, as torch.optim.Adam computes them (from a Python float step)
                 step_size = (group["lr"] / (1 - beta1 ** safe_step.double())).to(p.dtype)
-                bias2_sqrt = (1 - beta2 ** safe_step.double()).sqrt().to(p.dtype)
+                bias2_sqrt = (1 - beta2 ** second_steps.double()).sqrt().to(p.dtype)
                 denom = exp_avg_sq.sqrt() / bias2_sqrt + group["eps"]
                 calls = state["calls"] + 1
                 if group.get("frequency_scaling", False):
@@ -106,4 +122,28 @@ class MaskedAdam(torch.optim.Optimizer):
                 p.copy_(torch.where(sel, p - step_size * (exp_avg / denom), p))
                 state["step"], state["exp_avg"], state["exp_avg_sq"] = step, exp_avg, exp_avg_sq
                 state["calls"] = calls
+                if row_wise:
+                    state["row_step"] = row_step  # how many steps each row took (its own bias correction)
         return loss
+
+    @staticmethod
+    def _row_second_moment(
+        state: dict, grad: torch.Tensor, sel: torch.Tensor, beta2: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' shared second moment (every entry of a row holds it) and the rows' step counts.
+
+        A row steps when any of its entries is selected; its new square is the mean square of the selected
+        entries' gradients."""
+        g2, rows_sel = _rows(grad * grad), _rows(sel)
+        stepped = rows_sel.any(dim=1, keepdim=True)
+        mean_sq = (g2 * rows_sel).sum(dim=1, keepdim=True) / rows_sel.sum(dim=1, keepdim=True).clamp(min=1)
+        previous = _rows(state["exp_avg_sq"])[:, :1]
+        row_moment = torch.where(stepped, previous * beta2 + (1 - beta2) * mean_sq, previous)
+        steps = state.get("row_step", torch.zeros_like(row_moment))
+        row_step = torch.where(stepped, steps + 1, steps)
+        return row_moment.expand_as(g2).reshape(grad.shape).clone(), row_step
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, entries]``: its first dimension the rows (a 1-D or 0-D tensor is one row)."""
+    return t.reshape(t.shape[0], -1) if t.dim() >= 2 else t.reshape(1, -1)

@@ -64,13 +64,18 @@ class OpEffects:
                           accumulate=True)  # fmt: skip
         return sums, counts
 
-    def gradient(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gradient(
+        self, sums: torch.Tensor, counts: torch.Tensor, natural: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fold this update's measurements into the running estimates and return ``(gradient, mask)``.
 
         ``gradient[g, m] = pi_m (D_m - b)`` for the ops measured in this update (``D_m`` their mean effect in this
         update) and ``pi_0 (0 - b)`` for the identity of each series with a measured op, with the baseline
         ``b = sum_k pi_k D~_k`` from the running estimates ``D~`` (this update's measurements included); ``mask``
-        marks exactly those entries.
+        marks exactly those entries. ``natural=True`` returns the natural gradient instead, ``D_m - b`` and
+        ``0 - b`` without the factor ``pi`` (the softmax's Fisher information is ``diag(pi) - pi pi^T``, so this is
+        the gradient preconditioned by its inverse, up to a shift of a whole series, which the softmax ignores): an
+        op's step then does not shrink with its probability.
         """
         measured = counts > 0
         mean = torch.where(measured, sums / counts.clamp(min=1), torch.zeros_like(sums))
@@ -88,7 +93,8 @@ class OpEffects:
         identity_mask = (series_touched[:, self._series_of] > 0) & self._identity[None, :]
         mask = measured | identity_mask
         effect = torch.where(self._identity[None, :], torch.zeros_like(mean), mean)
-        grad = torch.where(mask, probs * (effect - b), torch.zeros_like(probs))
+        advantage = effect - b
+        grad = torch.where(mask, advantage if natural else probs * advantage, torch.zeros_like(probs))
         return grad, mask
 
     def state_dict(self) -> dict:

@@ -309,6 +309,7 @@ def _validators() -> dict[str, Any]:
     accept (:class:`~jcsaug.engine.base.PolicyUpdater`, :class:`~jcsaug.engine.TRAPolicyUpdater`,
     :class:`~jcsaug.engine.TEAPolicyUpdater`, :class:`~jcsaug.engine.AugmentationSetup`), so that a bad value fails
     here, named, instead of inside a config expression after the data is loaded."""
+    from jcsaug.engine.base import POLICY_STEPS
     from jcsaug.engine.device_augmentation import AUGMENT_ON
     from jcsaug.engine.hypergradient import HYPERGRADIENTS
     from jcsaug.engine.losses import LOSSES
@@ -341,6 +342,7 @@ def _validators() -> dict[str, Any]:
         "tra_estimator": _one_of(TRA_ESTIMATORS),
         "tra_catalogue": _one_of(TRA_CATALOGUES),
         "tra_direction": _one_of(TRA_DIRECTIONS),
+        "tra_step": _one_of(POLICY_STEPS),
         "tra_exploration": _one_of(CF_EXPLORATIONS),
         "tea_estimator": _one_of(TEA_ESTIMATORS),
         "tea_op_score": _one_of(TEA_OP_SCORES),
@@ -397,7 +399,8 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
       ``posthoc_lr``) leaves the policy at its preset while the run reports it as learned: refused, since the modes
       that keep a policy as it is say so (``heuristic``, ``fixed``);
     * the paired TEA estimator scores each of its Z copies with another non-identity op (at most 83);
-    * the paired TRA estimator needs at least one counterfactual copy;
+    * the paired TRA estimator needs at least one counterfactual copy; a ``tra_step`` other than ``adam`` needs it
+      (it steps on the op effects only that estimator measures);
     * the classes ``keep_largest_component`` names are foreground classes ``1..num_classes-1``;
     * a ``tea_identity_weight`` needs ``tea_z`` >= 2 (the identity and at least one op);
     * a ``tra_preset`` mapping gives each series it names the probabilities of the run's ``tra_catalogue``
@@ -444,6 +447,12 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
         problems.append(
             f"--tra_counterfactuals {k!r}: tra_exploration 'uniform' makes the counterfactual copies in pairs: "
             "give an even number"
+        )
+    step = settings.get("tra_step", "adam")
+    if tra and tra.learned and valid("tra_step") and step != "adam" and settings.get("tra_estimator") == "gumbel":
+        problems.append(
+            f"--tra_step {step!r}: steps on the op effects of the paired TRA estimator, but tra_estimator is "
+            "'gumbel'; use tra_estimator paired, or tra_step adam"
         )
     weight = settings.get("tea_identity_weight")
     if weight is not None and valid("tea_identity_weight") and valid("tea_z") and settings["tea_z"] < 2:

@@ -152,6 +152,8 @@ class TEAPolicyUpdater(PolicyUpdater):
             (a whole volume). A research setting (the synthetic bundle's ``tea_sliding_window``): on a zoom shift's
             final networks it rates the zoom-outs as the test does, but in joint runs it did not raise the TTA's
             Dice (``benchmarks/README.md``).
+        step_rule: how the op effects move the logits, ``"adam"`` or ``"natural"`` (paired only; see
+            :class:`~jcsaug.engine.base.PolicyUpdater`).
 
     Example: learn a TEA policy for a frozen network, one update per iteration::
 
@@ -197,6 +199,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         tta_z: int = 8,
         tta_identity_weight: float | None = None,
         inferer: Inferer | None = None,
+        step_rule: str = "adam",
     ) -> None:
         super().__init__(
             policy,
@@ -208,9 +211,12 @@ class TEAPolicyUpdater(PolicyUpdater):
             name="TEA",
             logit_budget=logit_budget,
             frequency_scaling=estimator == "paired",
+            step_rule=step_rule,
         )
         self.mask_undrawn = mask_undrawn
         TEA_ESTIMATORS.key(estimator)  # an unknown name: an error listing the valid ones
+        if self.step_rule != "adam" and estimator != "paired":
+            raise ValueError(f"step_rule {self.step_rule!r} needs the paired estimator (op effects), got {estimator!r}")
         if int(patches) < 1:
             raise ValueError(f"patches must be >= 1, got {patches}")
         self.estimator = estimator
@@ -336,7 +342,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         ops = torch.cat(measured_ops)
         zeros = torch.zeros_like(ops)
         sums, counts = self.effects.accumulate(zeros, zeros, ops, torch.cat(effects))
-        grad, mask = self.effects.gradient(sums, counts)
+        grad, mask = self.effects.gradient(sums, counts, natural=self.step_rule == "natural")
         self._apply_gradient(engine, grad.to(self.policy.logits.dtype), mask)
 
     def update(self, engine: Engine) -> None:

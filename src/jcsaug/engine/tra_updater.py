@@ -168,6 +168,8 @@ class TRAPolicyUpdater(PolicyUpdater):
             source patches makes (on the synthetic zoom shift ``v`` and the plain source gradient have a cosine
             of ~0.7): an op is credited for what it adds beyond it, not for a larger step along it.
         start: the share of the run before the first update (a warm-up; see :class:`PolicyUpdater`).
+        step_rule: how the op effects move the logits, ``"adam"`` or ``"natural"`` (paired only; see
+            :class:`PolicyUpdater`).
 
     Example: attached to your own Ignite loop (batches from a pipeline with ``ClassGroupd`` and ``TRACascaded``,
     which record ``class_group`` and ``tra_ops``)::
@@ -228,13 +230,16 @@ class TRAPolicyUpdater(PolicyUpdater):
         lookahead_step: float = 0.5,
         direction: str = "validation",
         start: float = 0.0,
+        step_rule: str = "adam",
     ) -> None:
         super().__init__(
             policy, model, lr, update_every, poly_power, seed, name="TRA", logit_budget=logit_budget,
-            frequency_scaling=estimator == "paired", start=start,
+            frequency_scaling=estimator == "paired", start=start, step_rule=step_rule,
         )  # fmt: skip
         self.mask_undrawn = mask_undrawn
         TRA_ESTIMATORS.key(estimator)  # an unknown name: an error listing the valid ones
+        if self.step_rule != "adam" and estimator != "paired":
+            raise ValueError(f"step_rule {self.step_rule!r} needs the paired estimator (op effects), got {estimator!r}")
         if int(val_batches) < 1:
             raise ValueError(f"val_batches must be >= 1, got {val_batches}")
         self.estimator = estimator
@@ -472,5 +477,5 @@ class TRAPolicyUpdater(PolicyUpdater):
                                                effect.reshape(-1))  # fmt: skip
         if not bool((counts > 0).any()) and not self.distributed:
             raise SkipUpdate("no counterfactual scored a non-identity op")
-        grad, mask = self.effects.gradient(sums, counts)
+        grad, mask = self.effects.gradient(sums, counts, natural=self.step_rule == "natural")
         self._apply_gradient(engine, grad.to(self.policy.logits.dtype), mask)
