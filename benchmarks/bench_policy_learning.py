@@ -67,7 +67,8 @@ default for the verdicts) and ``cpu`` (this process's CPU time, summed over its 
    (one more forward-backward pass of the training batch; none beside the look-ahead, which computes that
    gradient already), the synthetic bundle's own TRA settings (read from its ``train.yaml``), the same settings
    with the other TRA catalogue (``spec`` / ``split-signs``: what choosing the sign costs; each catalogue's rows
-   get batches whose ops and counterfactual records its own nnU-Net preset drew), and the TEA estimators
+   get batches whose ops and counterfactual records its own nnU-Net preset drew), the same settings with the other
+   step rule (``tra_step``: ``adam`` / ``natural``: what the rule itself costs), and the TEA estimators
    (``gumbel``, ``paired``, ``paired`` on 4 patches).
 
 The targets live here, never in timed tests. Compare numbers only from the same machine, same ``--threads``.
@@ -380,11 +381,12 @@ def synthetic_tra_settings(config: Path | None = None) -> tuple[dict, int, str, 
     cfg = SYNTHETIC_CONFIG if config is None else yaml.safe_load(config.read_text())
     kwargs = {"estimator": cfg["tra_estimator"], "val_batches": int(cfg["val_batches"]), "val_loss": cfg["val_loss"],
               "lookahead": float(cfg["tra_lookahead"]), "direction": cfg["tra_direction"],
-              "hypergradient": cfg["hypergradient"]}  # fmt: skip
+              "hypergradient": cfg["hypergradient"], "step_rule": cfg.get("tra_step", "adam")}  # fmt: skip
     copies = int(cfg["tra_counterfactuals"])
     catalogue = cfg.get("tra_catalogue", "spec")
     label = (f"{kwargs['estimator']} K={copies}, {kwargs['val_batches']} val batches, {kwargs['val_loss']} L_val, "
-             f"look-ahead {cfg['tra_lookahead']}, {kwargs['direction']}, {catalogue} catalogue")  # fmt: skip
+             f"look-ahead {cfg['tra_lookahead']}, {kwargs['direction']}, {catalogue} catalogue, "
+             f"{kwargs['step_rule']} step")  # fmt: skip
     return kwargs, copies, catalogue, label
 
 
@@ -399,6 +401,9 @@ SYNTHETIC_6_ROW = "TRA synthetic default with 6 val batches (its setting before 
 #: the bundle's settings with the other TRA catalogue: what the catalogue itself costs per update
 OTHER_CATALOGUE = "spec" if SYNTHETIC_TRA_CATALOGUE == "split-signs" else "split-signs"
 OTHER_CATALOGUE_ROW = f"TRA the synthetic settings in the {OTHER_CATALOGUE} catalogue"
+#: the bundle's settings with the other step rule (``tra_step``): what the rule itself costs per update
+OTHER_STEP = "natural" if SYNTHETIC_TRA["step_rule"] == "adam" else "adam"
+OTHER_STEP_ROW = f"TRA the synthetic settings with tra_step {OTHER_STEP}"
 OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TRA gumbel (paper), 1 val batch": (TRAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TRA paired K=1": (TRAPolicyUpdater, {"estimator": "paired"}, 1),
@@ -421,6 +426,7 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
         SYNTHETIC_TRA_COPIES,
     ),
     OTHER_CATALOGUE_ROW: (TRAPolicyUpdater, SYNTHETIC_TRA, SYNTHETIC_TRA_COPIES),
+    OTHER_STEP_ROW: (TRAPolicyUpdater, {**SYNTHETIC_TRA, "step_rule": OTHER_STEP}, SYNTHETIC_TRA_COPIES),
     "TEA gumbel (paper)": (TEAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TEA paired": (TEAPolicyUpdater, {"estimator": "paired"}, 0),
     "TEA paired, 4 patches": (TEAPolicyUpdater, {"estimator": "paired", "patches": 4}, 0),
@@ -443,6 +449,7 @@ OPTION_CATALOGUES = {
     SYNTHETIC_ROW: SYNTHETIC_TRA_CATALOGUE,
     SYNTHETIC_6_ROW: SYNTHETIC_TRA_CATALOGUE,
     OTHER_CATALOGUE_ROW: OTHER_CATALOGUE,
+    OTHER_STEP_ROW: SYNTHETIC_TRA_CATALOGUE,
 }
 
 

@@ -25,7 +25,8 @@ def test_section_5_times_the_bundles_own_tra_settings(bench, tmp_path):
     kwargs, copies, catalogue, label = bench.synthetic_tra_settings(CONFIGS / "train.yaml")
     assert kwargs == {"estimator": parser["tra_estimator"], "val_batches": parser["val_batches"],
                       "val_loss": parser["val_loss"], "lookahead": parser["tra_lookahead"],
-                      "direction": parser["tra_direction"], "hypergradient": parser["hypergradient"]}  # fmt: skip
+                      "direction": parser["tra_direction"], "hypergradient": parser["hypergradient"],
+                      "step_rule": parser["tra_step"]}  # fmt: skip
     assert copies == parser["tra_counterfactuals"] and f"{parser['val_batches']} val batches" in label
     assert catalogue == parser["tra_catalogue"] and f"{catalogue} catalogue" in label
     rows = {name: row for name, row in bench.OPTIONS.items() if "synthetic default" in name}
@@ -53,6 +54,13 @@ def test_section_5_times_the_bundles_settings_in_both_catalogues_on_batches_of_e
     """The other catalogue's row differs from the default row in the catalogue alone, and every row's batches hold
     ops and counterfactual records drawn in its own catalogue (valid indices of its series)."""
     assert bench.OPTIONS[bench.OTHER_CATALOGUE_ROW] == bench.OPTIONS[bench.SYNTHETIC_ROW]
+    # the other step rule's row: the bundle's settings, its catalogue, the other rule alone
+    cls, kwargs, copies = bench.OPTIONS[bench.OTHER_STEP_ROW]
+    assert {k: v for k, v in kwargs.items() if k != "step_rule"} == {
+        k: v for k, v in bench.SYNTHETIC_TRA.items() if k != "step_rule"
+    }
+    assert {kwargs["step_rule"], bench.SYNTHETIC_TRA["step_rule"]} == {"adam", "natural"}
+    assert bench.OPTION_CATALOGUES[bench.OTHER_STEP_ROW] == bench.SYNTHETIC_TRA_CATALOGUE
     catalogues = {bench.OPTION_CATALOGUES[bench.SYNTHETIC_ROW], bench.OPTION_CATALOGUES[bench.OTHER_CATALOGUE_ROW]}
     assert catalogues == {"spec", "split-signs"}
     batches = bench.make_batches(2, 4, 8, 0, None)
