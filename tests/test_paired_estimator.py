@@ -14,11 +14,11 @@ from monai.data import list_data_collate
 from monai.utils import set_determinism
 
 from helpers import lesion_batch, tiny_unet, train_engine
-from jcsaug.engine import AugmentationSetup, TRAPolicyUpdater
+from jcsaug.engine import AugmentationSetup, TEAPolicyUpdater, TRAPolicyUpdater
 from jcsaug.engine.losses import batch_dice_loss
 from jcsaug.engine.paired import OpEffects
 from jcsaug.ops.tra import INTENSITY_FIELDS, TRA_SERIES, TRAParams, apply_tra, replace_series_op, sample_tra_params
-from jcsaug.policy import CategoricalPolicy, ClassGroupd, TRACascaded, make_tra_policy
+from jcsaug.policy import CategoricalPolicy, ClassGroupd, TRACascaded, make_tea_policy, make_tra_policy
 from jcsaug.policy.io import save_policies
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -530,3 +530,7 @@ def test_unknown_estimators_and_missing_copies_are_refused_by_name():
         TRAPolicyUpdater(policy, net, None, opt, estimator="paired", step_rule="sgd")
     with pytest.raises(ValueError, match=r"step_rule 'natural' needs the paired estimator \(op effects\), got 'gu"):
         TRAPolicyUpdater(policy, net, None, opt, estimator="gumbel", step_rule="natural")
+    with pytest.raises(ValueError, match=r"step_rule 'natural' needs the paired estimator"):
+        TEAPolicyUpdater(make_tea_policy(), net, None, estimator="gumbel", step_rule="natural")
+    tea = TEAPolicyUpdater(make_tea_policy(), net, None, estimator="paired", step_rule="natural")
+    assert tea.step_rule == "natural" and tea.optimizer.param_groups[0]["second_moment"] == "row"

@@ -126,8 +126,8 @@ class PolicyUpdater(ABC):
             keeps its sign moves by about the learning rate per step however small the effect. ``"natural"``: the
             natural gradient ``D_m - b`` (no factor ``pi``) with one Adam second moment per class group
             (:class:`~jcsaug.engine.optim.MaskedAdam` ``second_moment="row"``), so ops move in proportion to
-            their effects, and a rare op as readily as a frequent one (research; what it changes:
-            ``benchmarks/README.md``).
+            their effects, and a rare op as readily as a frequent one (beyond the paper; the synthetic bundle's
+            default, measured in ``benchmarks/README.md``, "Op effects stepped in proportion").
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.
