@@ -215,15 +215,15 @@ def test_op_effects_gradient_by_hand():
 
 @method
 def test_natural_gradient_is_the_softmax_gradient_without_the_probability():
-    """``natural=True``: ``D_m - b`` on the same entries, i.e. the softmax gradient divided by ``pi``."""
+    """``OpEffects(natural=True)``: ``D_m - b`` on the same entries, i.e. the softmax gradient divided by ``pi``."""
     policy = CategoricalPolicy([3, 2], num_groups=2)
     with torch.no_grad():
         policy.logits.copy_(torch.log(torch.tensor([[0.5, 0.25, 0.25, 0.8, 0.2], [0.6, 0.3, 0.1, 0.5, 0.5]])))
     measured = (torch.tensor([0, 0, 0, 1]), torch.tensor([0, 0, 1, 0]), torch.tensor([1, 2, 1, 2]))
     values = torch.tensor([-2.0, 3.0, 1.0, 5.0])
-    plain, natural = OpEffects(policy), OpEffects(policy)
+    plain, natural = OpEffects(policy), OpEffects(policy, natural=True)
     grad, mask = plain.gradient(*plain.accumulate(*measured, values))
-    natural_grad, natural_mask = natural.gradient(*natural.accumulate(*measured, values), natural=True)
+    natural_grad, natural_mask = natural.gradient(*natural.accumulate(*measured, values))
     probs = torch.cat([p.double() for p in policy.probabilities()], dim=1)
     assert torch.equal(natural_mask, mask)
     torch.testing.assert_close(natural_grad[mask], (grad / probs)[mask], rtol=1e-9, atol=1e-12)
@@ -534,3 +534,5 @@ def test_unknown_estimators_and_missing_copies_are_refused_by_name():
         TEAPolicyUpdater(make_tea_policy(), net, None, estimator="gumbel", step_rule="natural")
     tea = TEAPolicyUpdater(make_tea_policy(), net, None, estimator="paired", step_rule="natural")
     assert tea.step_rule == "natural" and tea.optimizer.param_groups[0]["second_moment"] == "row"
+    adam = TEAPolicyUpdater(make_tea_policy(), net, None, estimator="paired")
+    assert tea.effects.natural and not adam.effects.natural

@@ -206,6 +206,15 @@ class PolicyUpdater(ABC):
         self._synced = False  # whether this update has joined the ranks' all-reduce
         self.effects: OpEffects | None = None  # running op effects of the paired estimators
 
+    def _paired_effects(self, estimator: str, smoothing: float) -> OpEffects | None:
+        """The running op effects of the paired estimator (stepped by this updater's ``step_rule``); ``None`` for
+        the others, which measure no effects and so take Adam steps only."""
+        if estimator == "paired":
+            return OpEffects(self.policy, smoothing, natural=self.step_rule == "natural")
+        if self.step_rule != "adam":
+            raise ValueError(f"step_rule {self.step_rule!r} needs the paired estimator (op effects), got {estimator!r}")
+        return None
+
     @property
     def model(self) -> nn.Module:
         """The network the extra (meta) passes run on: the trainer's network, unwrapped from DDP.

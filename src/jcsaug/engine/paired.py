@@ -31,13 +31,16 @@ class OpEffects:
         policy: the policy whose ops are scored (its ``[groups, logits]`` layout is used).
         smoothing: the running estimate of an op averages its first ``1 / smoothing`` measurements equally, then
             follows an exponential moving average with this weight on each new measurement.
+        natural: :meth:`gradient` returns the natural gradient instead of the softmax gradient (the updaters'
+            ``step_rule="natural"``).
     """
 
-    def __init__(self, policy: CategoricalPolicy, smoothing: float = 0.1) -> None:
+    def __init__(self, policy: CategoricalPolicy, smoothing: float = 0.1, natural: bool = False) -> None:
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.policy = policy
         self.smoothing = float(smoothing)
+        self.natural = bool(natural)
         self.estimate = torch.zeros(policy.logits.shape, dtype=torch.float64)
         self.count = torch.zeros(policy.logits.shape, dtype=torch.float64)
         self._identity = torch.zeros(policy.logits.shape[1], dtype=torch.bool)
@@ -64,15 +67,13 @@ class OpEffects:
                           accumulate=True)  # fmt: skip
         return sums, counts
 
-    def gradient(
-        self, sums: torch.Tensor, counts: torch.Tensor, natural: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gradient(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fold this update's measurements into the running estimates and return ``(gradient, mask)``.
 
         ``gradient[g, m] = pi_m (D_m - b)`` for the ops measured in this update (``D_m`` their mean effect in this
         update) and ``pi_0 (0 - b)`` for the identity of each series with a measured op, with the baseline
         ``b = sum_k pi_k D~_k`` from the running estimates ``D~`` (this update's measurements included); ``mask``
-        marks exactly those entries. ``natural=True`` returns the natural gradient instead, ``D_m - b`` and
+        marks exactly those entries. With ``natural`` it returns the natural gradient instead, ``D_m - b`` and
         ``0 - b`` without the factor ``pi`` (the softmax's Fisher information is ``diag(pi) - pi pi^T``, so this is
         the gradient preconditioned by its inverse, up to a shift of a whole series, which the softmax ignores): an
         op's step then does not shrink with its probability.
@@ -94,7 +95,7 @@ class OpEffects:
         mask = measured | identity_mask
         effect = torch.where(self._identity[None, :], torch.zeros_like(mean), mean)
         advantage = effect - b
-        grad = torch.where(mask, advantage if natural else probs * advantage, torch.zeros_like(probs))
+        grad = torch.where(mask, advantage if self.natural else probs * advantage, torch.zeros_like(probs))
         return grad, mask
 
     def state_dict(self) -> dict:

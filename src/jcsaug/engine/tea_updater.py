@@ -14,7 +14,6 @@ from torch import nn
 
 from jcsaug.engine.base import PolicyUpdater, PrepareBatch, SkipUpdate, ValidationStream, make_prepare_batch
 from jcsaug.engine.losses import main_output
-from jcsaug.engine.paired import OpEffects
 from jcsaug.inference.tta import tta_selection
 from jcsaug.ops.tea import apply_tea_ops, apply_tea_ops_by_shape
 from jcsaug.policy.categorical import CategoricalPolicy
@@ -215,8 +214,6 @@ class TEAPolicyUpdater(PolicyUpdater):
         )
         self.mask_undrawn = mask_undrawn
         TEA_ESTIMATORS.key(estimator)  # an unknown name: an error listing the valid ones
-        if self.step_rule != "adam" and estimator != "paired":
-            raise ValueError(f"step_rule {self.step_rule!r} needs the paired estimator (op effects), got {estimator!r}")
         if int(patches) < 1:
             raise ValueError(f"patches must be >= 1, got {patches}")
         self.estimator = estimator
@@ -232,7 +229,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         self.inferer = inferer
         if inferer is not None:  # (checkpoints of runs before the setting record none: one pass)
             self._settings.update(inferer=type(inferer).__name__)
-        self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
+        self.effects = self._paired_effects(estimator, effect_smoothing)
         if ops is None:
             from jcsaug.ops.tea import TEA_OPS
 
@@ -342,7 +339,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         ops = torch.cat(measured_ops)
         zeros = torch.zeros_like(ops)
         sums, counts = self.effects.accumulate(zeros, zeros, ops, torch.cat(effects))
-        grad, mask = self.effects.gradient(sums, counts, natural=self.step_rule == "natural")
+        grad, mask = self.effects.gradient(sums, counts)
         self._apply_gradient(engine, grad.to(self.policy.logits.dtype), mask)
 
     def update(self, engine: Engine) -> None:

@@ -29,7 +29,6 @@ from jcsaug.engine.hypergradient import (
 )
 from jcsaug.engine.lookahead import NeumannLookAhead
 from jcsaug.engine.losses import PerSampleLoss, chunked_loss, get_loss, main_output
-from jcsaug.engine.paired import OpEffects
 from jcsaug.ops.tea import apply_tea_ops
 from jcsaug.policy.cascade import COUNTERFACTUAL_SUFFIX, DEFAULT_CF_OP_KEY
 from jcsaug.policy.categorical import CategoricalPolicy
@@ -238,8 +237,6 @@ class TRAPolicyUpdater(PolicyUpdater):
         )  # fmt: skip
         self.mask_undrawn = mask_undrawn
         TRA_ESTIMATORS.key(estimator)  # an unknown name: an error listing the valid ones
-        if self.step_rule != "adam" and estimator != "paired":
-            raise ValueError(f"step_rule {self.step_rule!r} needs the paired estimator (op effects), got {estimator!r}")
         if int(val_batches) < 1:
             raise ValueError(f"val_batches must be >= 1, got {val_batches}")
         self.estimator = estimator
@@ -253,7 +250,7 @@ class TRAPolicyUpdater(PolicyUpdater):
         self.lookahead = NeumannLookAhead(lookahead, lookahead_step) if float(lookahead) > 1 else None
         self.direction = TRA_DIRECTIONS.key(direction)  # an unknown name: an error listing the valid ones
         self.cf_op_key = cf_op_key
-        self.effects = OpEffects(policy, effect_smoothing) if estimator == "paired" else None
+        self.effects = self._paired_effects(estimator, effect_smoothing)
         if meta_mode not in ("eval", "train"):
             raise ValueError(f"meta_mode must be 'eval' or 'train', got {meta_mode!r}")
         self._settings.update(
@@ -477,5 +474,5 @@ class TRAPolicyUpdater(PolicyUpdater):
                                                effect.reshape(-1))  # fmt: skip
         if not bool((counts > 0).any()) and not self.distributed:
             raise SkipUpdate("no counterfactual scored a non-identity op")
-        grad, mask = self.effects.gradient(sums, counts, natural=self.step_rule == "natural")
+        grad, mask = self.effects.gradient(sums, counts)
         self._apply_gradient(engine, grad.to(self.policy.logits.dtype), mask)
