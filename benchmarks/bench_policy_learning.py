@@ -67,8 +67,8 @@ default for the verdicts) and ``cpu`` (this process's CPU time, summed over its 
    (one more forward-backward pass of the training batch; none beside the look-ahead, which computes that
    gradient already), the synthetic bundle's own TRA settings (read from its ``train.yaml``), the same settings
    with the other TRA catalogue (``spec`` / ``split-signs``: what choosing the sign costs; each catalogue's rows
-   get batches whose ops and counterfactual records its own nnU-Net preset drew), the same settings with the other
-   step rule (``tra_step``: ``adam`` / ``natural``: what the rule itself costs), and the TEA estimators
+   get batches whose ops and counterfactual records its own nnU-Net preset drew), the same settings with each other
+   step rule (``tra_step``, :data:`~jcsaug.engine.POLICY_STEPS`: what the rule itself costs), and the TEA estimators
    (``gumbel``, ``paired``, ``paired`` on 4 patches).
 
 The targets live here, never in timed tests. Compare numbers only from the same machine, same ``--threads``.
@@ -103,7 +103,7 @@ from monai.networks.nets import UNet
 
 import jcsaug.engine.tea_updater as tea_mod
 import jcsaug.engine.tra_updater as tra_mod
-from jcsaug.engine import AugmentationSetup, TEAPolicyUpdater, TRAPolicyUpdater
+from jcsaug.engine import POLICY_STEPS, AugmentationSetup, TEAPolicyUpdater, TRAPolicyUpdater
 from jcsaug.engine.base import PolicyUpdater
 from jcsaug.engine.losses import get_loss
 from jcsaug.policy import CategoricalPolicy, make_tea_policy, make_tra_policy
@@ -401,9 +401,12 @@ SYNTHETIC_6_ROW = "TRA synthetic default with 6 val batches (its setting before 
 #: the bundle's settings with the other TRA catalogue: what the catalogue itself costs per update
 OTHER_CATALOGUE = "spec" if SYNTHETIC_TRA_CATALOGUE == "split-signs" else "split-signs"
 OTHER_CATALOGUE_ROW = f"TRA the synthetic settings in the {OTHER_CATALOGUE} catalogue"
-#: the bundle's settings with the other step rule (``tra_step``): what the rule itself costs per update
-OTHER_STEP = "natural" if SYNTHETIC_TRA["step_rule"] == "adam" else "adam"
-OTHER_STEP_ROW = f"TRA the synthetic settings with tra_step {OTHER_STEP}"
+#: the bundle's settings with each other step rule (``tra_step``): what the rule itself costs per update
+OTHER_STEP_ROWS = {
+    rule: f"TRA the synthetic settings with tra_step {rule}"
+    for rule in POLICY_STEPS.names()
+    if rule != SYNTHETIC_TRA["step_rule"]
+}
 OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TRA gumbel (paper), 1 val batch": (TRAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TRA paired K=1": (TRAPolicyUpdater, {"estimator": "paired"}, 1),
@@ -426,7 +429,10 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
         SYNTHETIC_TRA_COPIES,
     ),
     OTHER_CATALOGUE_ROW: (TRAPolicyUpdater, SYNTHETIC_TRA, SYNTHETIC_TRA_COPIES),
-    OTHER_STEP_ROW: (TRAPolicyUpdater, {**SYNTHETIC_TRA, "step_rule": OTHER_STEP}, SYNTHETIC_TRA_COPIES),
+    **{
+        row: (TRAPolicyUpdater, {**SYNTHETIC_TRA, "step_rule": rule}, SYNTHETIC_TRA_COPIES)
+        for rule, row in OTHER_STEP_ROWS.items()
+    },
     "TEA gumbel (paper)": (TEAPolicyUpdater, {"estimator": "gumbel"}, 0),
     "TEA paired": (TEAPolicyUpdater, {"estimator": "paired"}, 0),
     "TEA paired, 4 patches": (TEAPolicyUpdater, {"estimator": "paired", "patches": 4}, 0),
@@ -449,7 +455,7 @@ OPTION_CATALOGUES = {
     SYNTHETIC_ROW: SYNTHETIC_TRA_CATALOGUE,
     SYNTHETIC_6_ROW: SYNTHETIC_TRA_CATALOGUE,
     OTHER_CATALOGUE_ROW: OTHER_CATALOGUE,
-    OTHER_STEP_ROW: SYNTHETIC_TRA_CATALOGUE,
+    **{row: SYNTHETIC_TRA_CATALOGUE for row in OTHER_STEP_ROWS.values()},
 }
 
 

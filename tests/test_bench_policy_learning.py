@@ -8,7 +8,7 @@ import yaml
 from monai.bundle import ConfigParser
 
 from helpers import CONFIGS, load_benchmark, tiny_unet
-from jcsaug.engine import TRAPolicyUpdater
+from jcsaug.engine import POLICY_STEPS, TRAPolicyUpdater
 from jcsaug.policy import make_tra_policy
 
 
@@ -54,13 +54,12 @@ def test_section_5_times_the_bundles_settings_in_both_catalogues_on_batches_of_e
     """The other catalogue's row differs from the default row in the catalogue alone, and every row's batches hold
     ops and counterfactual records drawn in its own catalogue (valid indices of its series)."""
     assert bench.OPTIONS[bench.OTHER_CATALOGUE_ROW] == bench.OPTIONS[bench.SYNTHETIC_ROW]
-    # the other step rule's row: the bundle's settings, its catalogue, the other rule alone
-    cls, kwargs, copies = bench.OPTIONS[bench.OTHER_STEP_ROW]
-    assert {k: v for k, v in kwargs.items() if k != "step_rule"} == {
-        k: v for k, v in bench.SYNTHETIC_TRA.items() if k != "step_rule"
-    }
-    assert {kwargs["step_rule"], bench.SYNTHETIC_TRA["step_rule"]} == {"adam", "natural"}
-    assert bench.OPTION_CATALOGUES[bench.OTHER_STEP_ROW] == bench.SYNTHETIC_TRA_CATALOGUE
+    # each other step rule's row: the bundle's settings, its catalogue, the rule alone changed
+    assert {bench.SYNTHETIC_TRA["step_rule"], *bench.OTHER_STEP_ROWS} == set(POLICY_STEPS.names())
+    for rule, row in bench.OTHER_STEP_ROWS.items():
+        cls, kwargs, copies = bench.OPTIONS[row]
+        assert kwargs == {**bench.SYNTHETIC_TRA, "step_rule": rule} and rule != bench.SYNTHETIC_TRA["step_rule"]
+        assert bench.OPTION_CATALOGUES[row] == bench.SYNTHETIC_TRA_CATALOGUE
     catalogues = {bench.OPTION_CATALOGUES[bench.SYNTHETIC_ROW], bench.OPTION_CATALOGUES[bench.OTHER_CATALOGUE_ROW]}
     assert catalogues == {"spec", "split-signs"}
     batches = bench.make_batches(2, 4, 8, 0, None)

@@ -362,7 +362,11 @@ def test_tra_poly_power_and_start_reach_the_tra_updater_only(
     assert updaters.tra.resume_settings().get("start", 0.0) == start
 
 
-@pytest.mark.parametrize(("tra_step", "rule"), [(None, "natural"), ("adam", "adam"), ("natural", "natural")])
+@pytest.mark.parametrize(
+    ("tra_step", "rule"),
+    [(None, "natural"), ("adam", "adam"), ("natural", "natural"), ("natural-series", "natural-series"),
+     ("natural-recent", "natural-recent")],
+)  # fmt: skip
 def test_tra_step_reaches_the_tra_updater_only(monkeypatch, tmp_path, dataset, tra_step, rule):
     """The synthetic bundle's TRA takes natural-gradient steps with one second moment per class group by default
     (issue 10: measured); ``--tra_step adam`` gives each logit its own Adam step; the rule is a resume setting
@@ -370,8 +374,10 @@ def test_tra_step_reaches_the_tra_updater_only(monkeypatch, tmp_path, dataset, t
     overrides = {} if tra_step is None else {"tra_step": tra_step}
     updaters = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser.get_parsed_content("policy_updaters")
     assert (updaters.tra.step_rule, updaters.tea.step_rule) == (rule, "adam")
-    second_moment = updaters.tra.optimizer.param_groups[0]["second_moment"]
-    assert second_moment == ("row" if rule == "natural" else "entry")
+    optimiser = updaters.tra.optimizer.param_groups[0]
+    assert optimiser["second_moment"] == ("entry" if rule == "adam" else "row")
+    assert optimiser["row_blocks"] == (updaters.tra.policy.offsets if rule == "natural-series" else None)
+    assert optimiser["betas"] == (0.9, 0.98 if rule == "natural-recent" else 0.999)
     assert updaters.tra.resume_settings().get("step_rule", "adam") == rule
     common = ConfigParser()
     common.read_config(BUNDLES / "_common" / "configs" / "train.yaml")

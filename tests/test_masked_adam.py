@@ -127,6 +127,40 @@ def test_row_second_moment_steps_in_proportion_to_the_gradients():
         MaskedAdam([p], second_moment="col")
 
 
+def test_row_blocks_give_each_block_of_a_row_its_own_second_moment():
+    """``row_blocks`` (a policy's series offsets): entries move in proportion to their gradients within their
+    block, and a block of small gradients as far as one of large gradients (each at about the learning rate)."""
+    p = torch.nn.Parameter(torch.zeros(2, 5))
+    opt = MaskedAdam([p], lr=0.1, second_moment="row", row_blocks=(0, 2, 5))
+    mask = torch.tensor([[True, True, True, True, False], [False, False, True, True, True]])
+    grad = torch.tensor([[4.0, -2.0, 0.02, 0.01, 9.0], [1.0, 1.0, 0.3, -0.3, 0.6]])
+    for _ in range(5):
+        p.grad = grad.clone()
+        opt.step(mask=mask)
+    rms = torch.tensor([[math.sqrt(10.0), math.sqrt(2.5e-4)], [1.0, math.sqrt(0.18)]])  # [row, block] (stepped)
+    block_rms = rms[:, [0, 0, 1, 1, 1]]
+    torch.testing.assert_close(p.detach()[mask], (-0.5 * grad / block_rms)[mask], rtol=1e-4, atol=1e-6)
+    assert p.detach()[0, 4] == 0 and (p.detach()[1, :2] == 0).all()  # unselected entries keep their value
+    assert opt.state[p]["row_step"].tolist() == [[5.0, 5.0], [0.0, 5.0]]  # a block with nothing selected: no step
+    # one block spanning the row is the plain row moment, bit for bit
+    row, block = torch.nn.Parameter(torch.zeros(2, 5)), torch.nn.Parameter(torch.zeros(2, 5))
+    by_row = MaskedAdam([row], lr=0.1, second_moment="row")
+    by_block = MaskedAdam([block], lr=0.1, second_moment="row", row_blocks=(0, 5))
+    for _ in range(3):
+        row.grad, block.grad = grad.clone(), grad.clone()
+        by_row.step(mask=mask)
+        by_block.step(mask=mask)
+    assert torch.equal(row.detach(), block.detach())
+    with pytest.raises(ValueError, match=r"row_blocks \(0, 5\) needs second_moment='row', got 'entry'"):
+        MaskedAdam([p], row_blocks=(0, 5))
+    with pytest.raises(ValueError, match=r"rise strictly from 0 to the row's length, got \(0, 3, 3, 5\)"):
+        MaskedAdam([p], second_moment="row", row_blocks=(0, 3, 3, 5))
+    short = MaskedAdam([p], second_moment="row", row_blocks=(0, 2, 4))
+    p.grad = grad.clone()
+    with pytest.raises(ValueError, match=r"row_blocks \(0, 2, 4\) end at 4, the rows have 5 entries"):
+        short.step()
+
+
 def test_row_second_moment_is_remembered_across_a_checkpoint():
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(2, 3))

@@ -526,7 +526,7 @@ def test_unknown_estimators_and_missing_copies_are_refused_by_name():
     assert AugmentationSetup("heuristic", "joint", tra_estimator="paired", tra_counterfactuals=0).counterfactuals == 0
     net, policy = tiny_unet(), make_tra_policy("nnunet", num_groups=2)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    with pytest.raises(KeyError, match=r"unknown policy step rule 'sgd'; valid names: adam, natural"):
+    with pytest.raises(KeyError, match=r"unknown policy step rule 'sgd'; valid names: adam, natural, natural-recent, "):
         TRAPolicyUpdater(policy, net, None, opt, estimator="paired", step_rule="sgd")
     with pytest.raises(ValueError, match=r"step_rule 'natural' needs the paired estimator \(op effects\), got 'gu"):
         TRAPolicyUpdater(policy, net, None, opt, estimator="gumbel", step_rule="natural")
@@ -534,5 +534,10 @@ def test_unknown_estimators_and_missing_copies_are_refused_by_name():
         TEAPolicyUpdater(make_tea_policy(), net, None, estimator="gumbel", step_rule="natural")
     tea = TEAPolicyUpdater(make_tea_policy(), net, None, estimator="paired", step_rule="natural")
     assert tea.step_rule == "natural" and tea.optimizer.param_groups[0]["second_moment"] == "row"
+    assert tea.optimizer.param_groups[0]["row_blocks"] is None  # one second moment for the whole class group
     adam = TEAPolicyUpdater(make_tea_policy(), net, None, estimator="paired")
     assert tea.effects.natural and not adam.effects.natural
+    by_series = TRAPolicyUpdater(policy, net, None, opt, estimator="paired", step_rule="natural-series")
+    assert by_series.effects.natural and by_series.optimizer.param_groups[0]["row_blocks"] == policy.offsets
+    with pytest.raises(ValueError, match=r"step_rule 'natural-series' needs the paired estimator"):
+        TRAPolicyUpdater(policy, net, None, opt, estimator="gumbel", step_rule="natural-series")

@@ -9,6 +9,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import ignite.distributed as idist
 import torch
@@ -24,14 +25,70 @@ from jcsaug.registry import Registry
 
 logger = logging.getLogger("jcsaug.engine")
 
+
+@dataclass(frozen=True)
+class StepRule:
+    """How a policy updater turns its gradient into logit steps (an entry of :data:`POLICY_STEPS`).
+
+    Attributes:
+        name: the rule's name (``step_rule`` of :class:`PolicyUpdater`, the bundles' ``tra_step``).
+        description: one line for listings.
+        natural: step on the natural gradient ``D_m - b`` of the paired estimator's op effects instead of the
+            softmax gradient ``pi_m (D_m - b)`` (:class:`~jcsaug.engine.paired.OpEffects`); paired estimators only.
+        second_moment: whose Adam second moment scales a logit's step: ``"entry"`` (its own), ``"group"`` (one per
+            class group, :class:`~jcsaug.engine.optim.MaskedAdam` ``second_moment="row"``) or ``"series"`` (one per
+            class group and series: ``row_blocks`` at the policy's series offsets).
+        beta2: the decay of that second moment (Adam's 0.999 averages it over a whole run of a few hundred updates;
+            a smaller one follows the effects measured lately).
+    """
+
+    name: str
+    description: str
+    natural: bool = False
+    second_moment: str = "entry"
+    beta2: float = 0.999
+
+    def optimizer(self, policy: CategoricalPolicy, lr: float, frequency_scaling: bool) -> MaskedAdam:
+        """The masked Adam that takes this rule's steps on ``policy``'s logits."""
+        return MaskedAdam(
+            policy.parameters(), lr=lr, betas=(0.9, self.beta2), frequency_scaling=frequency_scaling,
+            second_moment="entry" if self.second_moment == "entry" else "row",
+            row_blocks=policy.offsets if self.second_moment == "series" else None,
+        )  # fmt: skip
+
+
 #: how the paired estimators' op effects step the logits (``step_rule`` of :class:`PolicyUpdater`)
-POLICY_STEPS: Registry[str] = Registry(
-    "policy step rule",
-    {
-        "adam": "the softmax gradient of the expected effect, each logit scaled by its own Adam second moment",
-        "natural": "the natural gradient (each op's effect less its series' baseline), scaled by one second moment "
-        "per class group: an op moves in proportion to its effect (beyond the paper; paired estimators only)",
-    },
+POLICY_STEPS: Registry[StepRule] = Registry("policy step rule")
+POLICY_STEPS.register(
+    StepRule("adam", "the softmax gradient of the expected effect, each logit scaled by its own Adam second moment")
+)
+POLICY_STEPS.register(
+    StepRule(
+        "natural",
+        "the natural gradient (each op's effect less its series' baseline), scaled by one second moment per "
+        "class group: an op moves in proportion to its effect (beyond the paper; paired estimators only)",
+        natural=True,
+        second_moment="group",
+    )
+)
+POLICY_STEPS.register(
+    StepRule(
+        "natural-series",
+        "the natural gradient scaled by one second moment per class group and series: ops move in "
+        "proportion to their effects within their series, every series at about the learning rate (research)",
+        natural=True,
+        second_moment="series",
+    )
+)
+POLICY_STEPS.register(
+    StepRule(
+        "natural-recent",
+        "the natural gradient scaled by one second moment per class group that follows the last ~50 "
+        "updates (beta2 0.98), so the effects measured late move the policy as far as the first ones (research)",
+        natural=True,
+        second_moment="group",
+        beta2=0.98,
+    )
 )
 
 PrepareBatch = Callable[[Mapping, torch.device], tuple[torch.Tensor, torch.Tensor]]
@@ -128,6 +185,11 @@ class PolicyUpdater(ABC):
             (:class:`~jcsaug.engine.optim.MaskedAdam` ``second_moment="row"``), so ops move in proportion to
             their effects, and a rare op as readily as a frequent one (beyond the paper; the synthetic bundle's
             default, measured in ``benchmarks/README.md``, "Op effects stepped in proportion").
+            ``"natural-series"``: the same gradient with one second moment per class group *and series*
+            (``row_blocks`` = the policy's series offsets), so a series of small effects (a gamma, a noise) moves
+            as far as one of large effects (a rotation); ``"natural-recent"``: one second moment per class group
+            that follows the last ~50 updates (Adam's ``beta2`` 0.98, not 0.999), so the small effects measured
+            late move the policy as far as the large early ones (both research: ``benchmarks/README.md``).
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.
@@ -182,10 +244,7 @@ class PolicyUpdater(ABC):
         self.name = name
         self.logit_budget = None if logit_budget is None else float(logit_budget)
         self.step_rule = POLICY_STEPS.key(step_rule)  # an unknown name: an error listing the valid ones
-        self.optimizer = MaskedAdam(
-            policy.parameters(), lr=lr, frequency_scaling=frequency_scaling,
-            second_moment="row" if self.step_rule == "natural" else "entry",
-        )  # fmt: skip
+        self.optimizer = POLICY_STEPS.get(self.step_rule).optimizer(policy, lr, frequency_scaling)
         self.seed = int(seed)
         self.generator = torch.Generator().manual_seed(self.seed + self.seed_offset + idist.get_rank())
         # what a resume must keep (the budget replaces lr when given: lr is then no setting of the run)
@@ -210,8 +269,8 @@ class PolicyUpdater(ABC):
         """The running op effects of the paired estimator (stepped by this updater's ``step_rule``); ``None`` for
         the others, which measure no effects and so take Adam steps only."""
         if estimator == "paired":
-            return OpEffects(self.policy, smoothing, natural=self.step_rule == "natural")
-        if self.step_rule != "adam":
+            return OpEffects(self.policy, smoothing, natural=POLICY_STEPS.get(self.step_rule).natural)
+        if POLICY_STEPS.get(self.step_rule).natural:
             raise ValueError(f"step_rule {self.step_rule!r} needs the paired estimator (op effects), got {estimator!r}")
         return None
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -27,7 +27,10 @@ class MaskedAdam(torch.optim.Optimizer):
     the row's steps. An entry's step is then its first moment over the row's RMS, so entries move in proportion to
     their gradients (a consistently small gradient moves its entry little), where per-entry Adam moves every entry
     with a consistent sign by about the learning rate, however small its gradient. The entries of a row outside the
-    mask then keep their value, first moment and step count, but share the row's new second moment.
+    mask then keep their value, first moment and step count, but share the row's new second moment. With
+    ``row_blocks`` (column boundaries ``0 = b_0 < b_1 < ... < b_K`` = the row's length, e.g. a policy's series
+    offsets) each block of a row has a second moment of its own instead: entries move in proportion to their
+    gradients within their block, and every block at about the learning rate.
 
     Why by hand: ``torch.optim.Adam`` moves every entry through its first moment even where the gradient is
     zero (a masked logit kept moving by up to 67 % of a full step), and ``torch.optim.SparseAdam`` counts one
@@ -54,6 +57,7 @@ class MaskedAdam(torch.optim.Optimizer):
         frequency_scaling: bool = False,
         max_scale: float = 10.0,
         second_moment: str = "entry",
+        row_blocks: Sequence[int] | None = None,
     ) -> None:
         if lr < 0:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
@@ -63,8 +67,15 @@ class MaskedAdam(torch.optim.Optimizer):
             raise ValueError(f"max_scale must be >= 1, got {max_scale}")
         if second_moment not in ("entry", "row"):
             raise ValueError(f"second_moment must be 'entry' or 'row', got {second_moment!r}")
+        if row_blocks is not None:
+            row_blocks = tuple(int(b) for b in row_blocks)
+            if second_moment != "row":
+                raise ValueError(f"row_blocks {row_blocks} needs second_moment='row', got {second_moment!r}")
+            if len(row_blocks) < 2 or row_blocks[0] != 0 or any(a >= b for a, b in zip(row_blocks, row_blocks[1:])):
+                raise ValueError(f"row_blocks must rise strictly from 0 to the row's length, got {row_blocks}")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "frequency_scaling": bool(frequency_scaling),
-                    "max_scale": float(max_scale), "second_moment": second_moment}  # fmt: skip
+                    "max_scale": float(max_scale), "second_moment": second_moment,
+                    "row_blocks": row_blocks}  # fmt: skip
         super().__init__(params, defaults)
 
     def _state_of(self, p: torch.Tensor) -> dict:
@@ -105,8 +116,10 @@ class MaskedAdam(torch.optim.Optimizer):
                 safe_step = step.clamp(min=1)  # entries never stepped: any value, they are masked out below
                 row_wise = group.get("second_moment", "entry") == "row"
                 if row_wise:
-                    exp_avg_sq, row_step = self._row_second_moment(state, grad, sel, beta2)
-                    second_steps = row_step.clamp(min=1).expand_as(_rows(p)).reshape(p.shape)
+                    bounds = _block_bounds(group.get("row_blocks"), _rows(p).shape[1])
+                    exp_avg_sq, row_step = self._row_second_moment(state, grad, sel, beta2, bounds)
+                    sizes = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=p.device)
+                    second_steps = row_step.clamp(min=1).repeat_interleave(sizes, dim=1).reshape(p.shape)
                 else:
                     exp_avg_sq = torch.where(
                         sel, state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad, state["exp_avg_sq"]
@@ -123,25 +136,44 @@ class MaskedAdam(torch.optim.Optimizer):
                 state["step"], state["exp_avg"], state["exp_avg_sq"] = step, exp_avg, exp_avg_sq
                 state["calls"] = calls
                 if row_wise:
-                    state["row_step"] = row_step  # how many steps each row took (its own bias correction)
+                    state["row_step"] = row_step  # how many steps each row (block) took: its own bias correction
         return loss
 
     @staticmethod
     def _row_second_moment(
-        state: dict, grad: torch.Tensor, sel: torch.Tensor, beta2: float
+        state: dict, grad: torch.Tensor, sel: torch.Tensor, beta2: float, bounds: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' shared second moment (every entry of a row holds it) and the rows' step counts.
+        """The shared second moment of each block of each row (every entry holds its block's) and the blocks'
+        step counts ``[rows, blocks]``; ``bounds`` are the blocks' column boundaries.
 
-        A row steps when any of its entries is selected; its new square is the mean square of the selected
+        A block steps when any of its entries is selected; its new square is the mean square of the selected
         entries' gradients."""
         g2, rows_sel = _rows(grad * grad), _rows(sel)
-        stepped = rows_sel.any(dim=1, keepdim=True)
-        mean_sq = (g2 * rows_sel).sum(dim=1, keepdim=True) / rows_sel.sum(dim=1, keepdim=True).clamp(min=1)
-        previous = _rows(state["exp_avg_sq"])[:, :1]
-        row_moment = torch.where(stepped, previous * beta2 + (1 - beta2) * mean_sq, previous)
-        steps = state.get("row_step", torch.zeros_like(row_moment))
-        row_step = torch.where(stepped, steps + 1, steps)
-        return row_moment.expand_as(g2).reshape(grad.shape).clone(), row_step
+        blocks = list(zip(bounds, bounds[1:]))
+        moments = []
+        for a, b in blocks:  # a few series: a loop of slices sums as the one-block row moment did, bit for bit
+            block_sel = rows_sel[:, a:b]
+            stepped = block_sel.any(dim=1, keepdim=True)
+            mean_sq = (g2[:, a:b] * block_sel).sum(dim=1, keepdim=True) / block_sel.sum(dim=1, keepdim=True).clamp(
+                min=1
+            )
+            previous = _rows(state["exp_avg_sq"])[:, a : a + 1]
+            moments.append((torch.where(stepped, previous * beta2 + (1 - beta2) * mean_sq, previous), stepped))
+        moment = torch.cat([m for m, _ in moments], dim=1)
+        stepped = torch.cat([st for _, st in moments], dim=1)
+        steps = state.get("row_step", torch.zeros_like(moment))
+        block_step = torch.where(stepped, steps + 1, steps)
+        sizes = torch.tensor([b - a for a, b in blocks], device=grad.device)
+        return moment.repeat_interleave(sizes, dim=1).reshape(grad.shape).clone(), block_step
+
+
+def _block_bounds(row_blocks: Sequence[int] | None, columns: int) -> tuple[int, ...]:
+    """The blocks' column boundaries (``row_blocks``; ``None``: the whole row one block)."""
+    if row_blocks is None:
+        return (0, columns)
+    if row_blocks[-1] != columns:
+        raise ValueError(f"row_blocks {tuple(row_blocks)} end at {row_blocks[-1]}, the rows have {columns} entries")
+    return tuple(row_blocks)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

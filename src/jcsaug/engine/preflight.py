@@ -399,8 +399,8 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
       ``posthoc_lr``) leaves the policy at its preset while the run reports it as learned: refused, since the modes
       that keep a policy as it is say so (``heuristic``, ``fixed``);
     * the paired TEA estimator scores each of its Z copies with another non-identity op (at most 83);
-    * the paired TRA estimator needs at least one counterfactual copy; a ``tra_step`` other than ``adam`` needs it
-      (it steps on the op effects only that estimator measures);
+    * the paired TRA estimator needs at least one counterfactual copy; a natural ``tra_step`` (all but ``adam``) needs
+      it (it steps on the op effects only that estimator measures);
     * the classes ``keep_largest_component`` names are foreground classes ``1..num_classes-1``;
     * a ``tea_identity_weight`` needs ``tea_z`` >= 2 (the identity and at least one op);
     * a ``tra_preset`` mapping gives each series it names the probabilities of the run's ``tra_catalogue``
@@ -409,6 +409,7 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
       :class:`~jcsaug.engine.AugmentationSetup` requires (no file at all: it says so itself when a training run
       builds it); a file given to another mode is ignored there: a warning.
     """
+    from jcsaug.engine.base import POLICY_STEPS
     from jcsaug.engine.modes import get_tea_mode, get_tra_mode
     from jcsaug.ops.tea import TEA_OPS
 
@@ -449,7 +450,8 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
             "give an even number"
         )
     step = settings.get("tra_step", "adam")
-    if tra and tra.learned and valid("tra_step") and step != "adam" and settings.get("tra_estimator") == "gumbel":
+    natural = valid("tra_step") and POLICY_STEPS.get(step).natural  # steps on the paired estimator's op effects
+    if tra and tra.learned and natural and settings.get("tra_estimator") == "gumbel":
         problems.append(
             f"--tra_step {step!r}: steps on the op effects of the paired TRA estimator, but tra_estimator is "
             "'gumbel'; use tra_estimator paired, or tra_step adam"

@@ -151,8 +151,8 @@ class TEAPolicyUpdater(PolicyUpdater):
             (a whole volume). A research setting (the synthetic bundle's ``tea_sliding_window``): on a zoom shift's
             final networks it rates the zoom-outs as the test does, but in joint runs it did not raise the TTA's
             Dice (``benchmarks/README.md``).
-        step_rule: how the op effects move the logits, ``"adam"`` or ``"natural"`` (paired only; see
-            :class:`~jcsaug.engine.base.PolicyUpdater`).
+        step_rule: how the op effects move the logits, a name of :data:`~jcsaug.engine.base.POLICY_STEPS`
+            (paired only; see :class:`~jcsaug.engine.base.PolicyUpdater`).
 
     Example: learn a TEA policy for a frozen network, one update per iteration::
 

@@ -167,8 +167,8 @@ class TRAPolicyUpdater(PolicyUpdater):
             source patches makes (on the synthetic zoom shift ``v`` and the plain source gradient have a cosine
             of ~0.7): an op is credited for what it adds beyond it, not for a larger step along it.
         start: the share of the run before the first update (a warm-up; see :class:`PolicyUpdater`).
-        step_rule: how the op effects move the logits, ``"adam"`` or ``"natural"`` (paired only; see
-            :class:`PolicyUpdater`).
+        step_rule: how the op effects move the logits, a name of :data:`~jcsaug.engine.base.POLICY_STEPS`
+            (paired only; see :class:`PolicyUpdater`).
 
     Example: attached to your own Ignite loop (batches from a pipeline with ``ClassGroupd`` and ``TRACascaded``,
     which record ``class_group`` and ``tra_ops``)::
