@@ -1,6 +1,6 @@
 """Ignite handlers that learn TRA and TEA policies during training, and the maths behind them."""
 
-from jcsaug.engine.base import POLICY_STEPS
+from jcsaug.engine.base import POLICY_STEPS, StepRule
 from jcsaug.engine.checkpoints import (
     AtomicCheckpointSaver,
     SafeCheckpointLoader,
@@ -58,6 +58,7 @@ __all__ = [
     "resolve_augment_on",
     "HYPERGRADIENTS",
     "POLICY_STEPS",
+    "StepRule",
     "PolicyUpdaters",
     "RunSummary",
     "TEAMode",
