@@ -14,7 +14,7 @@ from monai.data import list_data_collate
 from monai.utils import set_determinism
 
 from helpers import lesion_batch, tiny_unet, train_engine
-from jcsaug.engine import AugmentationSetup, TEAPolicyUpdater, TRAPolicyUpdater
+from jcsaug.engine import AugmentationSetup, StepRule, TEAPolicyUpdater, TRAPolicyUpdater
 from jcsaug.engine.losses import batch_dice_loss
 from jcsaug.engine.paired import OpEffects
 from jcsaug.ops.tra import INTENSITY_FIELDS, TRA_SERIES, TRAParams, apply_tra, replace_series_op, sample_tra_params
@@ -541,3 +541,9 @@ def test_unknown_estimators_and_missing_copies_are_refused_by_name():
     assert by_series.effects.natural and by_series.optimizer.param_groups[0]["row_blocks"] == policy.offsets
     with pytest.raises(ValueError, match=r"step_rule 'natural-series' needs the paired estimator"):
         TRAPolicyUpdater(policy, net, None, opt, estimator="gumbel", step_rule="natural-series")
+    recent = TRAPolicyUpdater(policy, net, None, opt, estimator="paired", step_rule="natural-recent")
+    assert recent.optimizer.param_groups[0]["betas"] == (0.9, 0.98) and recent.effects.natural
+    with pytest.raises(ValueError, match=r"step rule 'mine': second_moment must be 'entry', 'group' or 'series'"):
+        StepRule("mine", "a rule of one's own", second_moment="row")
+    with pytest.raises(ValueError, match=r"step rule 'mine': beta2 must be in \[0, 1\), got 1.0"):
+        StepRule("mine", "a rule of one's own", beta2=1.0)

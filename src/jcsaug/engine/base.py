@@ -48,6 +48,13 @@ class StepRule:
     second_moment: str = "entry"
     beta2: float = 0.999
 
+    def __post_init__(self) -> None:
+        if self.second_moment not in ("entry", "group", "series"):
+            raise ValueError(f"step rule {self.name!r}: second_moment must be 'entry', 'group' or 'series', "
+                             f"got {self.second_moment!r}")  # fmt: skip
+        if not 0.0 <= self.beta2 < 1.0:
+            raise ValueError(f"step rule {self.name!r}: beta2 must be in [0, 1), got {self.beta2}")
+
     def optimizer(self, policy: CategoricalPolicy, lr: float, frequency_scaling: bool) -> MaskedAdam:
         """The masked Adam that takes this rule's steps on ``policy``'s logits."""
         return MaskedAdam(

@@ -154,9 +154,8 @@ class MaskedAdam(torch.optim.Optimizer):
         for a, b in blocks:  # a few series: a loop of slices sums as the one-block row moment did, bit for bit
             block_sel = rows_sel[:, a:b]
             stepped = block_sel.any(dim=1, keepdim=True)
-            mean_sq = (g2[:, a:b] * block_sel).sum(dim=1, keepdim=True) / block_sel.sum(dim=1, keepdim=True).clamp(
-                min=1
-            )
+            squares, count = (g2[:, a:b] * block_sel).sum(dim=1, keepdim=True), block_sel.sum(dim=1, keepdim=True)
+            mean_sq = squares / count.clamp(min=1)
             previous = _rows(state["exp_avg_sq"])[:, a : a + 1]
             moments.append((torch.where(stepped, previous * beta2 + (1 - beta2) * mean_sq, previous), stepped))
         moment = torch.cat([m for m, _ in moments], dim=1)
