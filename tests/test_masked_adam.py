@@ -161,21 +161,23 @@ def test_row_blocks_give_each_block_of_a_row_its_own_second_moment():
         short.step()
 
 
-def test_row_second_moment_is_remembered_across_a_checkpoint():
+@pytest.mark.parametrize("row_blocks", [None, (0, 1, 3)])
+def test_row_second_moment_is_remembered_across_a_checkpoint(row_blocks):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(2, 3))
-    opt = MaskedAdam([p], lr=0.1, second_moment="row")
+    opt = MaskedAdam([p], lr=0.1, second_moment="row", row_blocks=row_blocks)
     for _ in range(3):
         p.grad = torch.randn(2, 3)
         opt.step(mask=torch.tensor([[True, False, True], [False, True, False]]))
     q = torch.nn.Parameter(p.detach().clone())
-    restored = MaskedAdam([q], lr=0.1, second_moment="row")
+    restored = MaskedAdam([q], lr=0.1, second_moment="row", row_blocks=row_blocks)
     restored.load_state_dict(opt.state_dict())
     grad = torch.randn(2, 3)
     p.grad, q.grad = grad.clone(), grad.clone()
     opt.step()
     restored.step()
     assert torch.equal(p.detach(), q.detach())
+    assert restored.state[q]["row_step"].shape == (2, 1 if row_blocks is None else 2)  # a count per row (block)
 
 
 @pytest.mark.parametrize("estimator", ["gumbel", "paired"])
