@@ -275,9 +275,10 @@ class PolicyUpdater(ABC):
     def _paired_effects(self, estimator: str, smoothing: float) -> OpEffects | None:
         """The running op effects of the paired estimator (stepped by this updater's ``step_rule``); ``None`` for
         the others, which measure no effects and so take Adam steps only."""
+        natural = POLICY_STEPS.get(self.step_rule).natural
         if estimator == "paired":
-            return OpEffects(self.policy, smoothing, natural=POLICY_STEPS.get(self.step_rule).natural)
-        if POLICY_STEPS.get(self.step_rule).natural:
+            return OpEffects(self.policy, smoothing, natural=natural)
+        if natural:
             raise ValueError(f"step_rule {self.step_rule!r} needs the paired estimator (op effects), got {estimator!r}")
         return None
 

@@ -319,8 +319,9 @@ class AugmentationSetup:
         scores the TRA on the validation batch as it is (research, measured in ``benchmarks/README.md``).
         ``tea_inferer``: how the TEA updater predicts its copies (``None``: one pass of the network; the test's
         ``SlidingWindowInferer``: as the TTA predicts, for patches larger than the training patches).
-        ``tra_step``: the TRA updater's ``step_rule`` (``"adam"``; ``"natural"``, the synthetic bundle's default: ops
-        move in proportion to their effects, see :class:`~jcsaug.engine.base.PolicyUpdater`)."""
+        ``tra_step``: the TRA updater's ``step_rule``, a name of :data:`~jcsaug.engine.base.POLICY_STEPS` (``"adam"``;
+        ``"natural"``, the synthetic bundle's default: ops move in proportion to their effects; research rules; see
+        :class:`~jcsaug.engine.base.PolicyUpdater`)."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(

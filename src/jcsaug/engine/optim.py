@@ -117,9 +117,7 @@ class MaskedAdam(torch.optim.Optimizer):
                 row_wise = group.get("second_moment", "entry") == "row"
                 if row_wise:
                     bounds = _block_bounds(group.get("row_blocks"), _rows(p).shape[1])
-                    exp_avg_sq, row_step = self._row_second_moment(state, grad, sel, beta2, bounds)
-                    sizes = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=p.device)
-                    second_steps = row_step.clamp(min=1).repeat_interleave(sizes, dim=1).reshape(p.shape)
+                    exp_avg_sq, row_step, second_steps = self._row_second_moment(state, grad, sel, beta2, bounds)
                 else:
                     exp_avg_sq = torch.where(
                         sel, state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad, state["exp_avg_sq"]
@@ -142,28 +140,31 @@ class MaskedAdam(torch.optim.Optimizer):
     @staticmethod
     def _row_second_moment(
         state: dict, grad: torch.Tensor, sel: torch.Tensor, beta2: float, bounds: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shared second moment of each block of each row (every entry holds its block's) and the blocks'
-        step counts ``[rows, blocks]``; ``bounds`` are the blocks' column boundaries.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The shared second moment of each block of each row (every entry holds its block's), the blocks' step
+        counts ``[rows, blocks]`` (kept in the state) and each entry's block step count (at least 1, for the bias
+        correction); ``bounds`` are the blocks' column boundaries.
 
         A block steps when any of its entries is selected; its new square is the mean square of the selected
         entries' gradients."""
         g2, rows_sel = _rows(grad * grad), _rows(sel)
+        previous_moments = _rows(state["exp_avg_sq"])
         blocks = list(zip(bounds, bounds[1:]))
-        moments = []
+        moments, stepped = [], []
         for a, b in blocks:  # a few series: a loop of slices sums as the one-block row moment did, bit for bit
             block_sel = rows_sel[:, a:b]
-            stepped = block_sel.any(dim=1, keepdim=True)
             squares, count = (g2[:, a:b] * block_sel).sum(dim=1, keepdim=True), block_sel.sum(dim=1, keepdim=True)
-            mean_sq = squares / count.clamp(min=1)
-            previous = _rows(state["exp_avg_sq"])[:, a : a + 1]
-            moments.append((torch.where(stepped, previous * beta2 + (1 - beta2) * mean_sq, previous), stepped))
-        moment = torch.cat([m for m, _ in moments], dim=1)
-        stepped = torch.cat([st for _, st in moments], dim=1)
+            previous = previous_moments[:, a : a + 1]
+            stepped.append(block_sel.any(dim=1, keepdim=True))
+            moments.append(torch.where(stepped[-1], previous * beta2 + (1 - beta2) * (squares / count.clamp(min=1)),
+                                       previous))  # fmt: skip
+        moment, any_stepped = torch.cat(moments, dim=1), torch.cat(stepped, dim=1)
         steps = state.get("row_step", torch.zeros_like(moment))
-        block_step = torch.where(stepped, steps + 1, steps)
+        block_step = torch.where(any_stepped, steps + 1, steps)
         sizes = torch.tensor([b - a for a, b in blocks], device=grad.device)
-        return moment.repeat_interleave(sizes, dim=1).reshape(grad.shape).clone(), block_step
+        per_entry = (moment, block_step.clamp(min=1))
+        moment, entry_steps = (t.repeat_interleave(sizes, dim=1).reshape(grad.shape) for t in per_entry)
+        return moment, block_step, entry_steps
 
 
 def _block_bounds(row_blocks: Sequence[int] | None, columns: int) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ class OpEffects:
         smoothing: the running estimate of an op averages its first ``1 / smoothing`` measurements equally, then
             follows an exponential moving average with this weight on each new measurement.
         natural: :meth:`gradient` returns the natural gradient instead of the softmax gradient (the updaters'
-            ``step_rule="natural"``).
+            natural step rules, :attr:`~jcsaug.engine.base.StepRule.natural`).
     """
 
     def __init__(self, policy: CategoricalPolicy, smoothing: float = 0.1, natural: bool = False) -> None:
