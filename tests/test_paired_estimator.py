@@ -343,10 +343,11 @@ def _oriented_batches(policy, lesion_axis: int, seed: int, n: int = 8, size: int
 
 
 @pytest.mark.parametrize(
-    ("estimator", "lookahead", "step_rule"),
-    [("paired", 1, "adam"), ("paired", 8, "adam"), ("paired", 1, "natural"), ("gumbel", 1, "adam")],
-)
-def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estimator, lookahead, step_rule):
+    ("estimator", "lookahead", "step_rule", "poly_power"),
+    [("paired", 1, "adam", 0.9), ("paired", 8, "adam", 0.9), ("paired", 1, "natural", 0.9),
+     ("paired", 1, "natural-recent", 0.0), ("gumbel", 1, "adam", 0.9)],
+)  # fmt: skip  # natural-recent at a constant beta: the synthetic bundle's default
+def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estimator, lookahead, step_rule, poly_power):
     set_determinism(seed=0)
     net = tiny_unet()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -356,7 +357,8 @@ def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estima
     group = ClassGroupd("label")
     val = [list_data_collate([group(_oriented_sample(rng, 12, 2, i % 2 == 0)) for i in range(8)]) for _ in range(4)]
     updater = TRAPolicyUpdater(policy, net, val, opt, estimator=estimator, val_loss="batch-dice", logit_budget=6.0,
-                               seed=0, train_loss="ce+dice", lookahead=lookahead, step_rule=step_rule)  # fmt: skip
+                               seed=0, train_loss="ce+dice", lookahead=lookahead, step_rule=step_rule,
+                               poly_power=poly_power)  # fmt: skip
     engine = train_engine(net, opt)
     updater.attach(engine)
     engine.run(_oriented_batches(policy, lesion_axis=0, seed=0), max_epochs=1, epoch_length=40)

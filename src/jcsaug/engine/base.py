@@ -91,7 +91,8 @@ POLICY_STEPS.register(
     StepRule(
         "natural-recent",
         "the natural gradient scaled by one second moment per class group that follows the last ~50 "
-        "updates (beta2 0.98), so the effects measured late move the policy as far as the first ones (research)",
+        "updates (beta2 0.98), so the effects measured late move the policy as far as the first ones (the "
+        "synthetic bundle's default, with a constant learning rate)",
         natural=True,
         second_moment="group",
         beta2=0.98,
@@ -190,13 +191,14 @@ class PolicyUpdater(ABC):
             keeps its sign moves by about the learning rate per step however small the effect. ``"natural"``: the
             natural gradient ``D_m - b`` (no factor ``pi``) with one Adam second moment per class group
             (:class:`~jcsaug.engine.optim.MaskedAdam` ``second_moment="row"``), so ops move in proportion to
-            their effects, and a rare op as readily as a frequent one (beyond the paper; the synthetic bundle's
-            default, measured in ``benchmarks/README.md``, "Op effects stepped in proportion").
+            their effects, and a rare op as readily as a frequent one (beyond the paper; measured in
+            ``benchmarks/README.md``, "Op effects stepped in proportion").
             ``"natural-series"``: the same gradient with one second moment per class group *and series*
             (``row_blocks`` = the policy's series offsets), so a series of small effects (a gamma, a noise) moves
             as far as one of large effects (a rotation); ``"natural-recent"``: one second moment per class group
             that follows the last ~50 updates (Adam's ``beta2`` 0.98, not 0.999), so the small effects measured
-            late move the policy as far as the large early ones (both research: ``benchmarks/README.md``).
+            late move the policy as far as the large early ones (``natural-series``: research; ``natural-recent``
+            with a constant β: the synthetic bundle's default since 2026-11-29; both in ``benchmarks/README.md``).
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.
