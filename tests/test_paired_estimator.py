@@ -366,7 +366,7 @@ def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estima
     end = policy.probabilities()[ROT90_FRONTAL[0]][:, ROT90_FRONTAL[1]]
     assert torch.isfinite(policy.logits).all() and updater.updates == 40
     if estimator == "paired":  # the estimator finds the op that undoes the shift, in both class groups (with and
-        # without the look-ahead beyond one step, with either step rule)
+        # without the look-ahead beyond one step, with each step rule)
         assert (end > 2 * start).all(), (start, end)
     else:  # the paper's estimator still runs on the same task (it needs far more updates to find the op)
         assert updater.skipped < 40 and not torch.equal(end, start)
