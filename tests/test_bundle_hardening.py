@@ -365,7 +365,7 @@ def test_tra_poly_power_and_start_reach_the_tra_updater_only(
 @pytest.mark.parametrize(
     ("tra_step", "rule"),
     [(None, "natural-recent"), ("adam", "adam"), ("natural", "natural"), ("natural-series", "natural-series"),
-     ("natural-recent", "natural-recent")],
+     ("natural-recent", "natural-recent"), ("natural-unbiased", "natural-unbiased")],
 )  # fmt: skip
 def test_tra_step_reaches_the_tra_updater_only(monkeypatch, tmp_path, dataset, tra_step, rule):
     """The synthetic bundle's TRA takes natural-gradient steps with one second moment per class group over the
@@ -377,7 +377,8 @@ def test_tra_step_reaches_the_tra_updater_only(monkeypatch, tmp_path, dataset, t
     optimiser = updaters.tra.optimizer.param_groups[0]
     assert optimiser["second_moment"] == ("entry" if rule == "adam" else "row")
     assert optimiser["row_blocks"] == (updaters.tra.policy.offsets if rule == "natural-series" else None)
-    assert optimiser["betas"] == (0.9, 0.98 if rule == "natural-recent" else 0.999)
+    assert optimiser["betas"] == (0.9, 0.98 if rule in ("natural-recent", "natural-unbiased") else 0.999)
+    assert optimiser["convexity_correction"] == (rule == "natural-unbiased")
     assert updaters.tra.resume_settings().get("step_rule", "adam") == rule
     common = ConfigParser()
     common.read_config(BUNDLES / "_common" / "configs" / "train.yaml")

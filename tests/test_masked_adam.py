@@ -127,6 +127,58 @@ def test_row_second_moment_steps_in_proportion_to_the_gradients():
         MaskedAdam([p], second_moment="col")
 
 
+def test_convexity_correction_keeps_a_rare_op_as_likely_under_noise():
+    """Gradients of pure noise on a rare op's logit (p = 0.05 against a dominant identity) make it likelier in
+    expectation (exp(logit) is convex); ``convexity_correction`` subtracts half the square of each step's measured
+    part, so that its mean probability stays at the start."""
+    start = math.log(0.05 / 0.95)
+    mask = torch.zeros(500, 2, dtype=torch.bool)
+    mask[:, 1] = True  # 500 independent two-op series: the identity (never stepped) and a rare op
+    means = {}
+    for correction in (False, True):
+        generator = torch.Generator().manual_seed(0)
+        logits = torch.nn.Parameter(torch.tensor([[0.0, start]]).repeat(500, 1))
+        opt = MaskedAdam([logits], lr=0.05, betas=(0.9, 0.98), second_moment="row", convexity_correction=correction)
+        for _ in range(200):
+            logits.grad = torch.zeros(500, 2)
+            logits.grad[:, 1] = torch.randn(500, generator=generator)
+            opt.step(mask=mask)
+        assert (logits.detach()[:, 0] == 0).all()  # unselected entries keep their value with the correction too
+        means[correction] = float(torch.softmax(logits.detach(), dim=1)[:, 1].mean())
+    assert means[False] > 0.06  # noise alone: 0.064
+    assert 0.047 < means[True] < 0.054  # corrected: 0.051
+
+
+def test_convexity_correction_subtracts_half_the_square_of_the_measured_step():
+    """An entry's first step is Adam's ``lr * scale * sign(g)``; the correction moves it ``(lr * scale)**2 / 2``
+    further down (``scale``: the frequency scaling's, 2 for an entry first stepped at the second call); entries
+    outside the mask are not corrected."""
+    for frequency_scaling, scale in ((False, 1.0), (True, 2.0)):
+        plain, corrected = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+        adam = MaskedAdam([plain], lr=0.1, frequency_scaling=frequency_scaling)
+        adam_corrected = MaskedAdam([corrected], lr=0.1, frequency_scaling=frequency_scaling, convexity_correction=True)
+        for mask in (torch.tensor([True, False, True]), torch.tensor([False, True, False])):
+            plain.grad, corrected.grad = torch.tensor([2.0, -1.0, 0.5]), torch.tensor([2.0, -1.0, 0.5])
+            adam.step(mask=mask)
+            adam_corrected.step(mask=mask)
+        torch.testing.assert_close(plain.detach(), torch.tensor([-0.1, 0.1 * scale, -0.1]))
+        expected = -torch.tensor([0.1**2, (0.1 * scale) ** 2, 0.1**2]) / 2
+        torch.testing.assert_close(corrected.detach() - plain.detach(), expected)
+
+
+def test_a_state_saved_before_the_correction_existed_keeps_it_on():
+    """Loading a state dict whose groups lack ``convexity_correction`` (saved before the setting) keeps the
+    optimiser's own value; a saved value wins where there is one."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    saved = MaskedAdam([p], lr=0.1).state_dict()
+    del saved["param_groups"][0]["convexity_correction"]
+    corrected = MaskedAdam([p], lr=0.1, convexity_correction=True)
+    corrected.load_state_dict(saved)
+    assert corrected.param_groups[0]["convexity_correction"] is True
+    corrected.load_state_dict(MaskedAdam([p], lr=0.1).state_dict())
+    assert corrected.param_groups[0]["convexity_correction"] is False
+
+
 def test_row_blocks_give_each_block_of_a_row_its_own_second_moment():
     """``row_blocks`` (a policy's series offsets): entries move in proportion to their gradients within their
     block, and a block of small gradients as far as one of large gradients (each at about the learning rate)."""

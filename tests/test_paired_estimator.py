@@ -545,6 +545,10 @@ def test_unknown_estimators_and_missing_copies_are_refused_by_name():
         TRAPolicyUpdater(policy, net, None, opt, estimator="gumbel", step_rule="natural-series")
     recent = TRAPolicyUpdater(policy, net, None, opt, estimator="paired", step_rule="natural-recent")
     assert recent.optimizer.param_groups[0]["betas"] == (0.9, 0.98) and recent.effects.natural
+    assert not recent.optimizer.param_groups[0]["convexity_correction"]
+    unbiased = TRAPolicyUpdater(policy, net, None, opt, estimator="paired", step_rule="natural-unbiased")
+    assert unbiased.optimizer.param_groups[0]["convexity_correction"] and unbiased.effects.natural
+    assert unbiased.optimizer.param_groups[0]["betas"] == (0.9, 0.98)
     with pytest.raises(ValueError, match=r"step rule 'mine': second_moment must be 'entry', 'group' or 'series'"):
         StepRule("mine", "a rule of one's own", second_moment="row")
     with pytest.raises(ValueError, match=r"step rule 'mine': beta2 must be in \[0, 1\), got 1.0"):

@@ -98,7 +98,7 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tra_logit_budget", 0, _BUDGET),
         ("tea_logit_budget", "null", _BUDGET),  # fire reads the word null as a string (None is None)
         ("tra_estimator", "gumble", "must be one of gumbel, paired"),
-        ("tra_step", "sgd", "must be one of adam, natural, natural-series, natural-recent"),
+        ("tra_step", "sgd", "must be one of adam, natural, natural-series, natural-recent, natural-unbiased"),
         ("tea_estimator", "pair", "must be one of gumbel, paired"),
         ("tra_direction", "orthogonal", "must be one of validation, beyond-training"),
         ("tra_exploration", "everywhere", "must be one of drawn, uniform"),

@@ -40,6 +40,9 @@ class StepRule:
             class group and series: ``row_blocks`` at the policy's series offsets).
         beta2: the decay of that second moment (Adam's 0.999 averages it over a whole run of a few hundred updates;
             a smaller one follows the effects measured lately).
+        convexity_correction: each step also subtracts half the square of its measured part, so that noisy effects
+            of zero mean leave the ops' probabilities unchanged in expectation
+            (:class:`~jcsaug.engine.optim.MaskedAdam`'s ``convexity_correction``).
     """
 
     name: str
@@ -47,6 +50,7 @@ class StepRule:
     natural: bool = False
     second_moment: str = "entry"
     beta2: float = 0.999
+    convexity_correction: bool = False
 
     def __post_init__(self) -> None:
         if self.second_moment not in ("entry", "group", "series"):
@@ -61,6 +65,7 @@ class StepRule:
             policy.parameters(), lr=lr, betas=(0.9, self.beta2), frequency_scaling=frequency_scaling,
             second_moment="entry" if self.second_moment == "entry" else "row",
             row_blocks=policy.offsets if self.second_moment == "series" else None,
+            convexity_correction=self.convexity_correction,
         )  # fmt: skip
 
 
@@ -96,6 +101,18 @@ POLICY_STEPS.register(
         natural=True,
         second_moment="group",
         beta2=0.98,
+    )
+)
+POLICY_STEPS.register(
+    StepRule(
+        "natural-unbiased",
+        "natural-recent whose steps subtract half their measured part's square, so that effects of pure noise "
+        "leave the probabilities unchanged in expectation (without it, noise alone makes rare ops likelier; "
+        "research)",
+        natural=True,
+        second_moment="group",
+        beta2=0.98,
+        convexity_correction=True,
     )
 )
 
@@ -198,7 +215,10 @@ class PolicyUpdater(ABC):
             as far as one of large effects (a rotation); ``"natural-recent"``: one second moment per class group
             that follows the last ~50 updates (Adam's ``beta2`` 0.98, not 0.999), so the small effects measured
             late move the policy as far as the large early ones (``natural-series``: research; ``natural-recent``
-            with a constant β: the synthetic bundle's default since 2026-11-29; both in ``benchmarks/README.md``).
+            with a constant β: the synthetic bundle's default since 2026-11-29; both in ``benchmarks/README.md``);
+            ``"natural-unbiased"``: ``natural-recent`` with MaskedAdam's ``convexity_correction``, so that effects
+            of pure noise leave the ops' probabilities where they are in expectation (with the others noise alone
+            makes the rare ops likelier: ``benchmarks/bench_step_noise.py``).
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.

@@ -321,8 +321,8 @@ class AugmentationSetup:
         ``SlidingWindowInferer``: as the TTA predicts, for patches larger than the training patches).
         ``tra_step``: the TRA updater's ``step_rule``, a name of :data:`~jcsaug.engine.base.POLICY_STEPS` (``"adam"``;
         ``"natural"``: ops move in proportion to their effects; ``"natural-recent"``, the synthetic bundle's default:
-        the same with the effects of the last ~50 updates weighing most; see
-        :class:`~jcsaug.engine.base.PolicyUpdater`)."""
+        the same with the effects of the last ~50 updates weighing most; ``"natural-unbiased"``: the same without
+        the drift that noisy effects give the rare ops; see :class:`~jcsaug.engine.base.PolicyUpdater`)."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(

@@ -32,6 +32,15 @@ class MaskedAdam(torch.optim.Optimizer):
     offsets) each block of a row has a second moment of its own instead: entries move in proportion to their
     gradients within their block, and every block at about the learning rate.
 
+    With ``convexity_correction=True`` each selected entry also moves by ``-s**2 / 2``, where ``s = lr * scale *
+    grad / sqrt(v)`` is the share of the logit's eventual displacement that this step's gradient adds (the first
+    moment spreads it over later steps). For logits of a softmax with a dominant entry (a policy's identity), a
+    step of zero mean and variance ``s**2`` raises ``exp(logit)``, and with it a rare op's probability, by a factor
+    ``exp(s**2 / 2)`` in expectation: gradients of pure noise make every rare op likelier. The correction keeps
+    ``exp(logit)`` unbiased to second order (it is the log of the linear update ``1 - s``), so noise alone no longer
+    moves probability towards the rare ops, and an op gains only by a mean gradient (``benchmarks/README.md``, "Noise
+    alone makes the rare ops likelier").
+
     Why by hand: ``torch.optim.Adam`` moves every entry through its first moment even where the gradient is
     zero (a masked logit kept moving by up to 67 % of a full step), and ``torch.optim.SparseAdam`` counts one
     step per tensor, so an entry first updated at step 100 gets a bias correction for 100 steps it never took
@@ -58,6 +67,7 @@ class MaskedAdam(torch.optim.Optimizer):
         max_scale: float = 10.0,
         second_moment: str = "entry",
         row_blocks: Sequence[int] | None = None,
+        convexity_correction: bool = False,
     ) -> None:
         if lr < 0:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
@@ -75,8 +85,17 @@ class MaskedAdam(torch.optim.Optimizer):
                 raise ValueError(f"row_blocks must rise strictly from 0 to the row's length, got {row_blocks}")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "frequency_scaling": bool(frequency_scaling),
                     "max_scale": float(max_scale), "second_moment": second_moment,
-                    "row_blocks": row_blocks}  # fmt: skip
+                    "row_blocks": row_blocks, "convexity_correction": bool(convexity_correction)}  # fmt: skip
         super().__init__(params, defaults)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict``; a setting the saved groups lack (a state saved before the
+        setting existed, e.g. ``convexity_correction``) keeps this optimiser's value instead of vanishing."""
+        options = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, own in zip(self.param_groups, options):
+            for key, value in own.items():
+                group.setdefault(key, value)
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -128,9 +147,15 @@ class MaskedAdam(torch.optim.Optimizer):
                 bias2_sqrt = (1 - beta2 ** second_steps.double()).sqrt().to(p.dtype)
                 denom = exp_avg_sq.sqrt() / bias2_sqrt + group["eps"]
                 calls = state["calls"] + 1
+                scale = torch.ones((), dtype=p.dtype, device=p.device)
                 if group.get("frequency_scaling", False):
-                    step_size = step_size * (calls / safe_step.double()).clamp(max=group["max_scale"]).to(p.dtype)
-                p.copy_(torch.where(sel, p - step_size * (exp_avg / denom), p))
+                    scale = (calls / safe_step.double()).clamp(max=group["max_scale"]).to(p.dtype)
+                    step_size = step_size * scale
+                update = step_size * (exp_avg / denom)
+                if group.get("convexity_correction", False):
+                    measured = group["lr"] * scale * grad / denom  # this gradient's share of the displacement
+                    update = update + measured * measured / 2
+                p.copy_(torch.where(sel, p - update, p))
                 state["step"], state["exp_avg"], state["exp_avg_sq"] = step, exp_avg, exp_avg_sq
                 state["calls"] = calls
                 if row_wise:
