@@ -108,7 +108,7 @@ POLICY_STEPS.register(
         "natural-unbiased",
         "natural-recent whose steps subtract half their measured part's square, so that effects of pure noise "
         "leave the probabilities unchanged in expectation (without it, noise alone makes rare ops likelier; "
-        "research)",
+        "research: for small steps, a short run of large steps crushes the ops)",
         natural=True,
         second_moment="group",
         beta2=0.98,

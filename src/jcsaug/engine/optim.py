@@ -37,9 +37,11 @@ class MaskedAdam(torch.optim.Optimizer):
     moment spreads it over later steps). For logits of a softmax with a dominant entry (a policy's identity), a
     step of zero mean and variance ``s**2`` raises ``exp(logit)``, and with it a rare op's probability, by a factor
     ``exp(s**2 / 2)`` in expectation: gradients of pure noise make every rare op likelier. The correction keeps
-    ``exp(logit)`` unbiased to second order (it is the log of the linear update ``1 - s``), so noise alone no longer
-    moves probability towards the rare ops, and an op gains only by a mean gradient (``benchmarks/README.md``, "Noise
-    alone makes the rare ops likelier").
+    ``exp(logit)`` unbiased to second order, so noise alone no longer moves probability towards the rare ops
+    (``benchmarks/README.md``, "Noise alone makes the rare ops likelier"). Its limits: it is meant for small steps
+    (``|s|`` well below 1): in a short run of large steps the square of one large noisy step crushes an op (a
+    research setting for that reason); and an entry near probability 0.5 (a two-op series), where the logistic is
+    not convex, is pushed down a little.
 
     Why by hand: ``torch.optim.Adam`` moves every entry through its first moment even where the gradient is
     zero (a masked logit kept moving by up to 67 % of a full step), and ``torch.optim.SparseAdam`` counts one
