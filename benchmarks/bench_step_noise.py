@@ -1,6 +1,6 @@
 """What noise alone does to a learned TRA policy: the paired estimator's step rules fed op effects of known mean.
 
-Command (from the repository root; about a minute per step rule on one core)::
+Command (from the repository root; about 10 s per step rule on one core)::
 
     python benchmarks/bench_step_noise.py
     # options: --rules adam natural natural-recent natural-unbiased --signals 0 0.3 0.6 --seeds 8
@@ -36,20 +36,25 @@ import torch
 
 from jcsaug.engine.base import POLICY_STEPS
 from jcsaug.engine.paired import OpEffects
+from jcsaug.ops.tra import tra_catalogue
 from jcsaug.policy import make_tra_policy
 from jcsaug.policy.categorical import CategoricalPolicy
 
 
-def find_op(policy: CategoricalPolicy, name: str) -> tuple[int, int]:
-    """``"series/op"`` -> (series index, op index), with an error listing the valid names."""
-    series, _, op = name.partition("/")
-    if series not in policy.series_names:
-        raise SystemExit(f"unknown series {series!r} in {name!r}; valid: {', '.join(policy.series_names)}")
-    s = policy.series_names.index(series)
-    ops = list(policy.op_names[s])
-    if op not in ops:
-        raise SystemExit(f"unknown op {op!r} of series {series!r}; valid: {', '.join(ops)}")
-    return s, ops.index(op)
+def find_op(catalogue: str, name: str) -> tuple[int, int]:
+    """``"series/op"`` of the TRA catalogue -> (series index, op index), with an error listing the valid names."""
+    series_name, _, op = name.partition("/")
+    series = tra_catalogue(catalogue)
+    names = [s.name for s in series]
+    if series_name not in names:
+        raise SystemExit(f"unknown series {series_name!r} in {name!r}; valid: {', '.join(names)}")
+    s = names.index(series_name)
+    try:
+        return s, series[s].index_of(op)
+    except KeyError:
+        raise SystemExit(
+            f"unknown op {op!r} of series {series_name!r}; valid: {', '.join(series[s].op_names)}"
+        ) from None
 
 
 def non_identity_series(policy: CategoricalPolicy) -> float:
@@ -80,11 +85,12 @@ def simulate(
     means = {helpful: -signal, harmful: signal}
     start = non_identity_series(policy)
     for _ in range(updates):
-        probs = [p.detach().double().numpy() for p in policy.probabilities()]
         groups, series, ops, measured = [], [], [], []
         for i in range(samples):
             group = i % 2
-            own = [rng.choice(len(p[group]), p=p[group] / p[group].sum()) for p in probs]
+            own = policy.sample_ops(group, rng)  # the sample's ops, drawn as the DataLoader workers draw them
+            # the copies as TRACascaded.randomize_counterfactuals draws them (by hand: that method also builds the
+            # copies' op parameters from a sample's, which a simulation without images has none of)
             for _ in range(counterfactuals):
                 s, j = explorable[rng.randint(len(explorable))]
                 op = int(own[s]) if own[s] != 0 else j  # the sample's own op is scored, else the drawn one explored
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     probe = make_tra_policy(args.preset, num_groups=2, catalogue=args.catalogue)
-    helpful, harmful = find_op(probe, args.helpful), find_op(probe, args.harmful)
+    helpful, harmful = find_op(args.catalogue, args.helpful), find_op(args.catalogue, args.harmful)
     start = non_identity_series(probe)
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}; {args.updates} updates of "
           f"{args.samples} patches x {args.counterfactuals} copies, logit budget {args.budget:g}, {args.seeds} seeds; "

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from helpers import load_benchmark
-from jcsaug.policy import make_tra_policy
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +15,7 @@ def bench():
 def test_noise_alone_makes_rare_ops_likelier_unless_the_step_is_corrected(bench):
     """With effects of pure noise, ``natural-recent`` adds non-identity series to the preset's 3.15 per sample;
     ``natural-unbiased`` keeps about the preset's count (a short run of 120 updates, two seeds)."""
-    policy = make_tra_policy("nnunet", num_groups=2, catalogue="split-signs")
-    ops = bench.find_op(policy, "rotate_frontal/rot90+"), bench.find_op(policy, "rotate_sagittal/rot90+")
+    ops = bench.find_op("split-signs", "rotate_frontal/rot90+"), bench.find_op("split-signs", "rotate_sagittal/rot90+")
     ends = {}
     for rule in ("natural-recent", "natural-unbiased"):
         runs = [bench.simulate(rule, seed, 0.0, *ops, updates=120) for seed in (0, 1)]

@@ -149,7 +149,7 @@ class MaskedAdam(torch.optim.Optimizer):
                 bias2_sqrt = (1 - beta2 ** second_steps.double()).sqrt().to(p.dtype)
                 denom = exp_avg_sq.sqrt() / bias2_sqrt + group["eps"]
                 calls = state["calls"] + 1
-                scale = torch.ones((), dtype=p.dtype, device=p.device)
+                scale: torch.Tensor | float = 1.0
                 if group.get("frequency_scaling", False):
                     scale = (calls / safe_step.double()).clamp(max=group["max_scale"]).to(p.dtype)
                     step_size = step_size * scale
