@@ -82,11 +82,10 @@ from jcsaug.engine.hypergradient import (
 )
 from jcsaug.engine.losses import chunked_loss, get_loss
 from jcsaug.engine.tra_updater import TRA_DIRECTIONS, without_component
-from jcsaug.ops.catalogue import Series
+from jcsaug.ops.catalogue import Series, find_op
 from jcsaug.ops.tra import (
     TRA_CATALOGUES,
     TRA_SERIES,
-    TRA_SERIES_NAMES,
     TRAParams,
     apply_tra_batch,
     replace_series_op,
@@ -124,11 +123,7 @@ class Plan(NamedTuple):
 # ----------------------------------------------------------------------------------------------- set-up
 def parse_op(name: str) -> Op:
     """``"series/op"`` -> (series index, op index), checked against the TRA catalogue (:data:`OP_SERIES`)."""
-    series, sep, op = name.partition("/")
-    if not sep or series not in TRA_SERIES_NAMES:
-        raise ValueError(f"{name!r}: expected 'series/op' with a series of {list(TRA_SERIES_NAMES)}")
-    s = TRA_SERIES_NAMES.index(series)
-    return s, OP_SERIES[s].index_of(op)
+    return find_op(OP_SERIES, name)
 
 
 def undoing_ops(domain_shift: Mapping) -> list[str]:

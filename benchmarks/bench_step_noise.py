@@ -36,25 +36,19 @@ import torch
 
 from jcsaug.engine.base import POLICY_STEPS
 from jcsaug.engine.paired import OpEffects
+from jcsaug.ops.catalogue import find_op as catalogue_op
 from jcsaug.ops.tra import tra_catalogue
 from jcsaug.policy import make_tra_policy
 from jcsaug.policy.categorical import CategoricalPolicy
 
 
 def find_op(catalogue: str, name: str) -> tuple[int, int]:
-    """``"series/op"`` of the TRA catalogue -> (series index, op index), with an error listing the valid names."""
-    series_name, _, op = name.partition("/")
-    series = tra_catalogue(catalogue)
-    names = [s.name for s in series]
-    if series_name not in names:
-        raise SystemExit(f"unknown series {series_name!r} in {name!r}; valid: {', '.join(names)}")
-    s = names.index(series_name)
+    """``"series/op"`` of the TRA catalogue -> (series index, op index); a command-line error names the valid
+    series or ops."""
     try:
-        return s, series[s].index_of(op)
-    except KeyError:
-        raise SystemExit(
-            f"unknown op {op!r} of series {series_name!r}; valid: {', '.join(series[s].op_names)}"
-        ) from None
+        return catalogue_op(tra_catalogue(catalogue), name)
+    except KeyError as err:
+        raise SystemExit(f"--helpful / --harmful: {err.args[0]}") from None
 
 
 def non_identity_series(policy: CategoricalPolicy) -> float:

@@ -30,5 +30,5 @@ def test_the_command_prints_a_row_per_rule_and_signal_and_names_a_bad_op(bench, 
     assert [(r["rule"], r["signal"]) for r in rows] == [("natural", 0.0), ("natural", 0.5)]
     out = capsys.readouterr().out
     assert "| natural | 0 |" in out and "| natural | 0.5 |" in out
-    with pytest.raises(SystemExit, match=r"unknown op 'rot91\+' of series 'rotate_frontal'; valid: identity"):
+    with pytest.raises(SystemExit, match=r"--harmful: series .rotate_frontal. has no op .rot91\+.; ops: \[.identity."):
         bench.main(["--helpful", "rotate_frontal/rot91+"])

@@ -166,15 +166,30 @@ def test_convexity_correction_subtracts_half_the_square_of_the_measured_step():
         torch.testing.assert_close(corrected.detach() - plain.detach(), expected)
 
 
+def test_convexity_correction_clips_a_large_measured_step():
+    """The correction's second-order expansion holds for small steps: a measured share ``|s| > correction_clip``
+    is clipped first, so one step takes at most ``correction_clip**2 / 2`` off an entry (unclipped, a first step
+    of lr 2 would take ``2**2 / 2 = 2`` logits)."""
+    for clip, expected in ((1.0, 0.5), (1.5, 1.125), (4.0, 2.0)):
+        plain, corrected = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+        plain.grad, corrected.grad = torch.tensor([3.0, -0.5]), torch.tensor([3.0, -0.5])
+        MaskedAdam([plain], lr=2.0).step()
+        MaskedAdam([corrected], lr=2.0, convexity_correction=True, correction_clip=clip).step()
+        torch.testing.assert_close(corrected.detach() - plain.detach(), torch.tensor([-expected, -expected]))
+    with pytest.raises(ValueError, match="correction_clip must be > 0, got 0"):
+        MaskedAdam([plain], convexity_correction=True, correction_clip=0)
+
+
 def test_a_state_saved_before_the_correction_existed_keeps_it_on():
     """Loading a state dict whose groups lack ``convexity_correction`` (saved before the setting) keeps the
     optimiser's own value; a saved value wins where there is one."""
     p = torch.nn.Parameter(torch.zeros(3))
     saved = MaskedAdam([p], lr=0.1).state_dict()
-    del saved["param_groups"][0]["convexity_correction"]
-    corrected = MaskedAdam([p], lr=0.1, convexity_correction=True)
+    del saved["param_groups"][0]["convexity_correction"], saved["param_groups"][0]["correction_clip"]
+    corrected = MaskedAdam([p], lr=0.1, convexity_correction=True, correction_clip=0.5)
     corrected.load_state_dict(saved)
     assert corrected.param_groups[0]["convexity_correction"] is True
+    assert corrected.param_groups[0]["correction_clip"] == 0.5
     corrected.load_state_dict(MaskedAdam([p], lr=0.1).state_dict())
     assert corrected.param_groups[0]["convexity_correction"] is False
 

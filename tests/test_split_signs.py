@@ -12,12 +12,23 @@ from helpers import load_benchmark
 from jcsaug.data.synthetic import shift_undoing_ops
 from jcsaug.engine import check_settings
 from jcsaug.engine.modes import AugmentationSetup
-from jcsaug.ops.catalogue import OpSpec, split_signs
+from jcsaug.ops.catalogue import OpSpec, find_op, split_signs
 from jcsaug.ops.tra import TRA_SERIES, sample_tra_params, tra_catalogue, tra_catalogue_name
 from jcsaug.policy import BatchTRACascaded, TRACascaded, make_tea_policy, make_tra_policy
 from jcsaug.policy.io import load_policies, save_policies
 
 SPLIT = tra_catalogue("split-signs")
+
+
+def test_find_op_locates_series_slash_op_in_either_catalogue_and_names_what_is_valid():
+    assert find_op(TRA_SERIES, "rotate_frontal/rot90") == (1, 4)  # SPEC's quarter turn
+    assert find_op(SPLIT, "rotate_frontal/rot90-") == (1, SPLIT[1].size - 1)
+    with pytest.raises(KeyError, match=r"series 'rotate_frontal' has no op 'rot90-'; ops: \['identity'"):
+        find_op(TRA_SERIES, "rotate_frontal/rot90-")  # a half exists in split-signs only
+    with pytest.raises(KeyError, match=r"'rotate/rot90': expected 'series/op' with a series of \['scale', 'rotate_"):
+        find_op(TRA_SERIES, "rotate/rot90")
+    with pytest.raises(KeyError, match="expected 'series/op'"):
+        find_op(TRA_SERIES, "rot90")
 
 
 def test_every_signed_op_becomes_its_plus_and_minus_half_next_to_each_other():

@@ -106,9 +106,9 @@ POLICY_STEPS.register(
 POLICY_STEPS.register(
     StepRule(
         "natural-unbiased",
-        "natural-recent whose steps subtract half their measured part's square, so that effects of pure noise "
-        "leave the probabilities unchanged in expectation (without it, noise alone makes rare ops likelier; "
-        "research: for small steps, a short run of large steps crushes the ops)",
+        "natural-recent whose steps subtract half their measured part's square (at most 0.5 logit a step), so "
+        "that effects of pure noise leave the probabilities unchanged in expectation (without it, noise alone "
+        "makes rare ops likelier; research)",
         natural=True,
         second_moment="group",
         beta2=0.98,
@@ -216,9 +216,9 @@ class PolicyUpdater(ABC):
             that follows the last ~50 updates (Adam's ``beta2`` 0.98, not 0.999), so the small effects measured
             late move the policy as far as the large early ones (``natural-series``: research; ``natural-recent``
             with a constant β: the synthetic bundle's default since 2026-11-29; both in ``benchmarks/README.md``);
-            ``"natural-unbiased"``: ``natural-recent`` with MaskedAdam's ``convexity_correction``, so that effects
-            of pure noise leave the ops' probabilities where they are in expectation (with the others noise alone
-            makes the rare ops likelier: ``benchmarks/bench_step_noise.py``).
+            ``"natural-unbiased"``: ``natural-recent`` with MaskedAdam's ``convexity_correction`` (clipped at 0.5
+            logit a step), so that effects of pure noise leave the ops' probabilities where they are in
+            expectation (with the others noise alone makes the rare ops likelier: ``benchmarks/bench_step_noise.py``).
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.

@@ -38,10 +38,12 @@ class MaskedAdam(torch.optim.Optimizer):
     step of zero mean and variance ``s**2`` raises ``exp(logit)``, and with it a rare op's probability, by a factor
     ``exp(s**2 / 2)`` in expectation: gradients of pure noise make every rare op likelier. The correction keeps
     ``exp(logit)`` unbiased to second order, so noise alone no longer moves probability towards the rare ops
-    (``benchmarks/README.md``, "Noise alone makes the rare ops likelier"). Its limits: it is meant for small steps
-    (``|s|`` well below 1): in a short run of large steps the square of one large noisy step crushes an op (a
-    research setting for that reason); and an entry near probability 0.5 (a two-op series), where the logistic is
-    not convex, is pushed down a little.
+    (``benchmarks/README.md``, "Noise alone makes the rare ops likelier"). The expansion holds for small steps
+    (``|s|`` well below 1), so ``s`` is clipped to ``[-correction_clip, correction_clip]`` first: one step's
+    correction is at most ``correction_clip**2 / 2`` (0.5 logit by default), where unclipped the square of a
+    single large noisy step (``s`` up to 3.3 in the synthetic bundle) took 5.6 logits off an op, and a short run of
+    large steps crushed a helpful op to probability 1e-13. An entry near probability 0.5 (a two-op series), where
+    the logistic is not convex, is pushed down a little.
 
     Why by hand: ``torch.optim.Adam`` moves every entry through its first moment even where the gradient is
     zero (a masked logit kept moving by up to 67 % of a full step), and ``torch.optim.SparseAdam`` counts one
@@ -70,6 +72,7 @@ class MaskedAdam(torch.optim.Optimizer):
         second_moment: str = "entry",
         row_blocks: Sequence[int] | None = None,
         convexity_correction: bool = False,
+        correction_clip: float = 1.0,
     ) -> None:
         if lr < 0:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
@@ -77,6 +80,8 @@ class MaskedAdam(torch.optim.Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if max_scale < 1:
             raise ValueError(f"max_scale must be >= 1, got {max_scale}")
+        if not correction_clip > 0:
+            raise ValueError(f"correction_clip must be > 0, got {correction_clip}")
         if second_moment not in ("entry", "row"):
             raise ValueError(f"second_moment must be 'entry' or 'row', got {second_moment!r}")
         if row_blocks is not None:
@@ -87,7 +92,8 @@ class MaskedAdam(torch.optim.Optimizer):
                 raise ValueError(f"row_blocks must rise strictly from 0 to the row's length, got {row_blocks}")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "frequency_scaling": bool(frequency_scaling),
                     "max_scale": float(max_scale), "second_moment": second_moment,
-                    "row_blocks": row_blocks, "convexity_correction": bool(convexity_correction)}  # fmt: skip
+                    "row_blocks": row_blocks, "convexity_correction": bool(convexity_correction),
+                    "correction_clip": float(correction_clip)}  # fmt: skip
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -156,6 +162,8 @@ class MaskedAdam(torch.optim.Optimizer):
                 update = step_size * (exp_avg / denom)
                 if group.get("convexity_correction", False):
                     measured = group["lr"] * scale * grad / denom  # this gradient's share of the displacement
+                    clip = group.get("correction_clip", 1.0)
+                    measured = measured.clamp(-clip, clip)  # the second-order expansion holds for small steps only
                     update = update + measured * measured / 2
                 p.copy_(torch.where(sel, p - update, p))
                 state["step"], state["exp_avg"], state["exp_avg_sq"] = step, exp_avg, exp_avg_sq

@@ -76,6 +76,18 @@ class Series:
             raise KeyError(f"series {self.name!r} has no op {name!r}; ops: {self.op_names}") from None
 
 
+def find_op(series: Sequence[Series], name: str) -> tuple[int, int]:
+    """``"series/op"`` -> (series index, op index) in the catalogue ``series`` (e.g.
+    ``"rotate_frontal/rot90"`` -> ``(1, 4)`` in SPEC's TRA catalogue); a ``KeyError`` names the valid series or
+    ops."""
+    series_name, sep, op = name.partition("/")
+    names = [s.name for s in series]
+    if not sep or series_name not in names:
+        raise KeyError(f"{name!r}: expected 'series/op' with a series of {names}")
+    index = names.index(series_name)
+    return index, series[index].index_of(op)
+
+
 def half_names(name: str) -> tuple[str, str]:
     """The names of a signed op's ``+`` and ``-`` halves: its ``±`` replaced by the sign, or the sign appended to a
     name without one (``scale±[0.4,0.5)`` -> ``scale+[0.4,0.5)``, ``scale-[0.4,0.5)``; ``rot90`` -> ``rot90+``,
