@@ -346,8 +346,8 @@ def _oriented_batches(policy, lesion_axis: int, seed: int, n: int = 8, size: int
     ("estimator", "lookahead", "step_rule", "poly_power"),
     [("paired", 1, "adam", 0.9), ("paired", 8, "adam", 0.9), ("paired", 1, "natural", 0.9),
      ("paired", 1, "natural-recent", 0.0), ("paired", 1, "natural-unbiased", 0.0), ("gumbel", 1, "adam", 0.9)],
-)  # fmt: skip  # natural-recent at a constant beta: the synthetic bundle's default; natural-unbiased: its convexity
-# correction must not crush the helpful op under a short run of large steps (unclipped it fell to 1e-13 here)
+)  # fmt: skip  # natural-unbiased at a constant beta: the synthetic bundle's default (its convexity
+# correction must not crush the helpful op under a short run of large steps: unclipped it fell to 1e-13 here)
 def test_rotated_validation_domain_raises_the_quarter_turn_in_both_groups(estimator, lookahead, step_rule, poly_power):
     set_determinism(seed=0)
     net = tiny_unet()

@@ -97,7 +97,7 @@ POLICY_STEPS.register(
         "natural-recent",
         "the natural gradient scaled by one second moment per class group that follows the last ~50 "
         "updates (beta2 0.98), so the effects measured late move the policy as far as the first ones (the "
-        "synthetic bundle's default, with a constant learning rate)",
+        "synthetic bundle's default before natural-unbiased)",
         natural=True,
         second_moment="group",
         beta2=0.98,
@@ -108,7 +108,7 @@ POLICY_STEPS.register(
         "natural-unbiased",
         "natural-recent whose steps subtract half their measured part's square (at most 0.5 logit a step), so "
         "that effects of pure noise leave the probabilities unchanged in expectation (without it, noise alone "
-        "makes rare ops likelier; research)",
+        "makes rare ops likelier; the synthetic bundle's default, with a constant learning rate)",
         natural=True,
         second_moment="group",
         beta2=0.98,
@@ -215,10 +215,11 @@ class PolicyUpdater(ABC):
             as far as one of large effects (a rotation); ``"natural-recent"``: one second moment per class group
             that follows the last ~50 updates (Adam's ``beta2`` 0.98, not 0.999), so the small effects measured
             late move the policy as far as the large early ones (``natural-series``: research; ``natural-recent``
-            with a constant β: the synthetic bundle's default since 2026-11-29; both in ``benchmarks/README.md``);
-            ``"natural-unbiased"``: ``natural-recent`` with MaskedAdam's ``convexity_correction`` (clipped at 0.5
-            logit a step), so that effects of pure noise leave the ops' probabilities where they are in
-            expectation (with the others noise alone makes the rare ops likelier: ``benchmarks/bench_step_noise.py``).
+            with a constant β: the synthetic bundle's default from 2026-11-29); ``"natural-unbiased"``:
+            ``natural-recent`` with MaskedAdam's ``convexity_correction`` (clipped at 0.5 logit a step), so that
+            effects of pure noise leave the ops' probabilities where they are in expectation (with the others noise
+            alone makes the rare ops likelier: ``benchmarks/bench_step_noise.py``; with a constant β the synthetic
+            bundle's default since 2026-11-30; all in ``benchmarks/README.md``).
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.

@@ -320,8 +320,8 @@ class AugmentationSetup:
         ``tea_inferer``: how the TEA updater predicts its copies (``None``: one pass of the network; the test's
         ``SlidingWindowInferer``: as the TTA predicts, for patches larger than the training patches).
         ``tra_step``: the TRA updater's ``step_rule``, a name of :data:`~jcsaug.engine.base.POLICY_STEPS` (``"adam"``;
-        ``"natural"``: ops move in proportion to their effects; ``"natural-recent"``, the synthetic bundle's default:
-        the same with the effects of the last ~50 updates weighing most; ``"natural-unbiased"``: the same without
+        ``"natural"``: ops move in proportion to their effects; ``"natural-recent"``: the same with the effects of
+        the last ~50 updates weighing most; ``"natural-unbiased"``, the synthetic bundle's default: the same without
         the drift that noisy effects give the rare ops; see :class:`~jcsaug.engine.base.PolicyUpdater`)."""
         tra = tea = None
         if self.learn_tra:
