@@ -370,8 +370,7 @@ def test_tra_poly_power_and_start_reach_the_tra_updater_only(
 def test_tra_step_reaches_the_tra_updater_only(monkeypatch, tmp_path, dataset, tra_step, rule):
     """The synthetic bundle's TRA takes natural-gradient steps with one second moment per class group over the
     last ~50 updates, corrected for the drift noise gives the rare ops, by default (issue 10: measured);
-    ``--tra_step adam`` gives each logit its own Adam step; the
-    rule is a resume setting and the TEA keeps Adam."""
+    ``--tra_step adam`` gives each logit its own Adam step; the rule is a resume setting and the TEA keeps Adam."""
     overrides = {} if tra_step is None else {"tra_step": tra_step}
     updaters = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser.get_parsed_content("policy_updaters")
     assert (updaters.tra.step_rule, updaters.tea.step_rule) == (rule, "adam")
