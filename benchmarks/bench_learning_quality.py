@@ -61,6 +61,11 @@ without TTA - heuristic without TTA >= 4; each undoing TRA op >= 0.3 in both cla
 each aspect of the shift undone by one of the TEA policy's top ``--tea-z`` ops; printed ``N/A`` (with no shares)
 when the oracle gains under :data:`MIN_ORACLE_GAIN` on the shift (knowing the answer is worth nothing there, as on
 ``--shift blur``). A Markdown table goes to ``--out``.
+
+With ``--validation`` every run is also evaluated on the validation split (the bundle's ``evaluate.yaml`` with
+``evaluate_split validation``: the 4 volumes the learned policies were scored on; about 10 s per run, kept in the
+run's ``metrics_evaluate_validation.json``), and the report sets each mode's Dice there beside the test's: a learned
+policy that gains more on the cases it learned from than on the test cases fits them.
 """
 
 from __future__ import annotations
@@ -323,13 +328,72 @@ def run_one(
         (run_dir / "bench_settings.json").write_text(json.dumps(settings, indent=1) + "\n")
     seconds = float((run_dir / "bench_seconds.txt").read_text()) if (run_dir / "bench_seconds.txt").is_file() else 0.0
     m = json.loads(metrics.read_text())
-    tta = [k for k in m if k != "none" and isinstance(m[k], dict) and "mean_dice" in m[k]]
     return {
-        "none": 100 * m["none"]["mean_dice"],
-        "tta": 100 * m[tta[0]]["mean_dice"] if tta else None,
+        **_dice_pair(m, _tta_name(m)),
         "policies": json.loads((run_dir / "policies.json").read_text()),
         "seconds": seconds,
     }
+
+
+def _tta_name(metrics: Mapping) -> str | None:
+    """The TTA method of a run's ``metrics.json`` (its one test-time method besides ``none``), or ``None``."""
+    tta = [k for k in metrics if k != "none" and isinstance(metrics[k], dict) and "mean_dice" in metrics[k]]
+    return tta[0] if tta else None
+
+
+def _dice_pair(metrics: Mapping, tta_name: str | None) -> dict:
+    """``{"none", "tta"}`` test-time Dice (in points) of a metrics file; ``tta_name`` the TTA method to read."""
+    return {
+        "none": 100 * metrics["none"]["mean_dice"],
+        "tta": 100 * metrics[tta_name]["mean_dice"] if tta_name else None,
+    }
+
+
+def evaluate_validation(run_dir: Path, data: Path, overrides: dict, device: str, threads: int) -> dict:
+    """Evaluate a finished run on its validation split (once: kept while newer than the run's ``metrics.json``);
+    returns ``{"none", "tta"}`` Dice there, ``tta`` with the TTA method the run itself was tested with."""
+    path = run_dir / "metrics_evaluate_validation.json"
+    if not (path.is_file() and path.stat().st_mtime >= (run_dir / "metrics.json").stat().st_mtime):
+        configs = f"['{CONFIGS / 'train.yaml'}','{CONFIGS / 'evaluate.yaml'}']"
+        args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", configs,
+                "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf"),
+                "--dataset_dir", str(data), "--output_dir", str(run_dir), "--evaluate_split", "validation"]  # fmt: skip
+        if device != "auto":
+            args += ["--device", f"$torch.device('{device}')"]
+        for key, value in overrides.items():
+            args += [f"--{key}", str(value)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        with open(run_dir / "bench_validation.log", "w") as log:
+            result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        if result.returncode != 0:
+            raise RuntimeError(f"validation of {run_dir} failed (exit {result.returncode}); see {log.name}")
+    own = json.loads((run_dir / "metrics.json").read_text())
+    return _dice_pair(json.loads(path.read_text()), _tta_name(own))
+
+
+def validation_lines(modes: list[str], results: dict, validation: dict, seeds: list[int], cases: int) -> list[str]:
+    """The report's table of each mode's Dice on the validation split beside the test split's (means over seeds):
+    the change against the baseline and each TTA's gain over its own plain prediction, on both."""
+
+    def mean(mode: str, table: dict, key: str, base: bool = False) -> float:
+        rows = [table[(mode, s)][key] - (table[(BASELINE, s)][key] if base else 0.0) for s in seeds]
+        return statistics.mean(rows)
+
+    lines = [f"Validation split ({cases} cases, the ones the learned policies were scored on) beside the test split, "
+             "means over seeds (`--validation`): a learned policy that gains more on the validation cases than on "
+             "the test cases fits them.", "",
+             "| mode | validation none / TTA | test none / TTA | Δ vs baseline, validation TTA / none "
+             "| Δ vs baseline, test TTA / none | TTA gain over none, validation / test |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for mode in modes:
+        v = {k: mean(mode, validation, k) for k in ("none", "tta")}
+        t = {k: mean(mode, results, k) for k in ("none", "tta")}
+        dv = {k: mean(mode, validation, k, base=True) for k in ("none", "tta")}
+        dt = {k: mean(mode, results, k, base=True) for k in ("none", "tta")}
+        lines.append(f"| {mode} | {v['none']:.1f} / {v['tta']:.1f} | {t['none']:.1f} / {t['tta']:.1f} "
+                     f"| {dv['tta']:+.1f} / {dv['none']:+.1f} | {dt['tta']:+.1f} / {dt['none']:+.1f} "
+                     f"| {v['tta'] - v['none']:+.1f} / {t['tta'] - t['none']:+.1f} |")  # fmt: skip
+    return lines
 
 
 def threads_per_run(jobs: int, threads: int = 0) -> int:
@@ -486,6 +550,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_quality")
     parser.add_argument("--reuse", action="store_true", help="keep runs whose metrics.json exists")
     parser.add_argument(
+        "--validation",
+        action="store_true",
+        help="also evaluate every run on the validation split; report its Dice beside the test's",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=0,
@@ -540,6 +609,13 @@ def main() -> None:
             results[key] = future.result()
             print(f"  {key[0]} seed {key[1]}: Dice none {results[key]['none']:.1f} / TTA {results[key]['tta']:.1f}"
                   f" ({results[key]['seconds']:.0f} s)", flush=True)  # fmt: skip
+    validation: dict[tuple[str, int], dict] = {}
+    if args.validation:
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            futures = {pool.submit(evaluate_validation, r, d, o, args.device, threads): (m, s)
+                       for m, s, d, r, o in jobs}  # fmt: skip
+            for future, key in futures.items():
+                validation[key] = future.result()
 
     settings = f", settings {' '.join(args.set)}" if args.set else ""
     lines = [f"## Learning quality, shift `{name}`, seeds {args.seeds}, device {args.device}{settings}", "",
@@ -574,6 +650,9 @@ def main() -> None:
                   (f"learned TRA without TTA - heuristic without TTA >= 4 (mean {statistics.mean(delta_none):+.1f})",
                    statistics.mean(delta_none) >= 4, tra_gain)] + checks  # fmt: skip
     lines += target_lines(checks, oracle_gain, tra_gain)
+    if validation:
+        cases = len(json.loads((data / "dataset.json").read_text())["validation"])
+        lines += ["", *validation_lines(modes, results, validation, args.seeds, cases)]
     report = "\n".join(lines) + "\n"
     print("\n" + report)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,19 @@ def test_evaluate_and_inference_configs(trained):
     run_bundle(tmp_path, "train.yaml", "evaluate.yaml", num_workers=0)
     metrics = json.loads((tmp_path / "run" / "metrics_evaluate.json").read_text())
     assert set(metrics) == {"none", "heuristic", "learned"}  # the same method names as after training
+    # the validation cases the policies learned from, into files of their own (the test split's are kept)
+    result = run_bundle(tmp_path, "train.yaml", "evaluate.yaml", num_workers=0, evaluate_split="validation")
+    on_validation = json.loads((tmp_path / "run" / "metrics_evaluate_validation.json").read_text())
+    assert set(on_validation) == set(metrics) and len(on_validation["none"]["per_case"]) == 2
+    validation_cases = json.loads((tmp_path / "data" / "dataset.json").read_text())["validation"]
+    assert [c["case"] for c in on_validation["none"]["per_case"]] == [
+        str(tmp_path / "data" / c["image"]) for c in validation_cases
+    ]
+    assert json.loads((tmp_path / "run" / "metrics_evaluate.json").read_text()) == metrics
+    assert (tmp_path / "run" / "per_case_evaluate_validation.csv").is_file()
+    assert "validation Dice (mean of 2 cases" in result.stdout + result.stderr
+    refused = run_bundle(tmp_path, "train.yaml", "evaluate.yaml", check=False, evaluate_split="train")
+    assert refused.returncode == 1 and "evaluate_split must be one of test, validation; got 'train'" in refused.stderr
     # the class list as a user types it (fire passes a list): the saved maps keep one component of class 1
     run_bundle(tmp_path, "train.yaml", "inference.yaml", num_workers=0, keep_largest_component="[1]")
     predictions = sorted((tmp_path / "run" / "predictions").glob("*_seg.nii.gz"))

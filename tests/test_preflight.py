@@ -20,6 +20,7 @@ from jcsaug.engine import (
     PreflightError,
     ResumeCheckpoint,
     check_data,
+    check_evaluation_data,
     check_output_dir,
     check_override_ids,
     check_patch_size,
@@ -412,6 +413,8 @@ def test_a_fresh_run_refuses_a_folder_holding_another_run(tmp_path):
 def test_overwrite_deletes_only_the_previous_runs_files(tmp_path):
     _a_run(tmp_path)
     (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "metrics_evaluate_validation.json").write_text("{}")  # evaluate.yaml on the validation split
+    (tmp_path / "per_case_evaluate_validation.csv").write_text("")
     check_output_dir(tmp_path, overwrite="true")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
@@ -523,3 +526,17 @@ def test_patch_size_the_network_cannot_take_is_refused_with_one_that_fits():
         assert all(t.device.type == "cpu" for t in [*net.parameters(), *net.buffers()])
         # tensors only: DeepMedic's state also holds its subsampling (extra state)
         assert all(t.device.type == "cpu" for t in net.state_dict().values() if isinstance(t, torch.Tensor))
+
+
+def test_the_evaluation_check_names_a_bad_or_empty_split_and_checks_the_cases_of_the_one_evaluated(tmp_path):
+    """evaluate.yaml's ``evaluate_split``: an unknown split or one without cases is refused by name, and only the
+    evaluated split's cases are read (a broken test case does not stop an evaluation of the validation split)."""
+    good = {"image": _nifti(tmp_path / "i.nii.gz"), "label": _nifti(tmp_path / "l.nii.gz")}
+    broken = {"image": good["image"], "label": str(tmp_path / "missing.nii.gz")}
+    with pytest.raises(PreflightError, match=r"evaluate_split must be one of test, validation; got 'training'"):
+        check_evaluation_data("training", {"test": [good], "validation": [good]})
+    with pytest.raises(PreflightError, match=r"evaluate_split 'validation': the validation split has no cases"):
+        check_evaluation_data("validation", {"test": [good], "validation": []})
+    check_evaluation_data("validation", {"test": [broken], "validation": [good]})
+    with pytest.raises(PreflightError, match=r"test: case .*missing.nii.gz does not exist"):
+        check_evaluation_data("test", {"test": [broken], "validation": [good]})

@@ -195,6 +195,10 @@ def test_run_summary_gives_the_dice_of_the_reported_classes(tmp_path):
     assert lines[1] == "  test Dice (mean of 3 cases; no TTA = none): none 0.700, learned 0.750 (+0.050)"
     assert lines[2] == "  test Dice, tumour (class 2): none 0.500, learned 0.600 (+0.100)"
     assert len(lines) == 3
+    lines = RunSummary(tmp_path, split="validation").lines({"none": method(0.7, 0.5)})  # evaluate_split validation
+    assert lines[1].startswith("  validation Dice (mean of 3 cases") and lines[2].startswith(
+        "  validation Dice, tumour"
+    )
 
 
 def test_tensorboard_gets_the_probabilities_after_every_policy_update(tmp_path, monkeypatch):

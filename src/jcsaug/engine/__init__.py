@@ -43,6 +43,7 @@ from jcsaug.engine.posthoc import learn_tea_posthoc
 from jcsaug.engine.preflight import (
     PreflightError,
     check_data,
+    check_evaluation_data,
     check_output_dir,
     check_override_ids,
     check_patch_size,
@@ -86,6 +87,7 @@ __all__ = [
     "TrainingDiverged",
     "PreflightError",
     "check_data",
+    "check_evaluation_data",
     "check_output_dir",
     "check_override_ids",
     "check_patch_size",

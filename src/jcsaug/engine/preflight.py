@@ -45,6 +45,7 @@ from jcsaug.utils import as_flag
 __all__ = [
     "RUN_ARTEFACTS",
     "check_data",
+    "check_evaluation_data",
     "check_output_dir",
     "check_override_ids",
     "check_patch_size",
@@ -67,6 +68,8 @@ RUN_ARTEFACTS = (
     "per_case.csv",
     "metrics_evaluate.json",
     "per_case_evaluate.csv",
+    "metrics_evaluate_*.json",  # evaluate.yaml on another split (evaluate_split)
+    "per_case_evaluate_*.csv",
     POSTPROCESSING_NAME,
     "tensorboard",
     "predictions",
@@ -745,6 +748,23 @@ def check_data(
         raise PreflightError(
             f"{len(problems)} problem(s) in the data, found before training:\n  " + "\n  ".join(listed) + more
         )
+
+
+@_reported
+def check_evaluation_data(split: str, splits: Mapping[str, Sequence[Any]], **kwargs: Any) -> None:
+    """evaluate.yaml's check: ``split`` (its ``evaluate_split``) names a split of ``splits`` that has cases, and
+    every case of it passes :func:`check_data` (``kwargs`` go to it).
+
+    Raises:
+        PreflightError: an unknown or empty split, or what :func:`check_data` finds in its cases.
+    """
+    from jcsaug.evaluation.splits import evaluation_split
+
+    try:
+        entries = evaluation_split(split, splits)
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
+    check_data.__wrapped__({split: entries}, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- patch size

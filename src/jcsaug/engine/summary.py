@@ -22,9 +22,10 @@ def _format_change(change: OpChange) -> str:
 
 
 class RunSummary:
-    """The end of a run in a few lines: test Dice per test-time method, the ops whose probabilities changed most
-    from their start (per TRA class group, and TEA; unchanged ops are not listed, and a policy that did not change
-    at all, e.g. ``--tea_mode fixed``, gets no line), policy updates done and skipped, and where the files are.
+    """The end of a run in a few lines: test Dice (or another split's) per test-time method, the ops whose
+    probabilities changed most from their start (per TRA class group, and TEA; unchanged ops are not listed, and a
+    policy that did not change at all, e.g. ``--tea_mode fixed``, gets no line), policy updates done and skipped,
+    and where the files are.
 
     Args:
         output_dir: the run's folder (the files listed are those that exist there).
@@ -34,6 +35,8 @@ class RunSummary:
         updaters: the policy updaters (with ``name``, ``updates``, ``skipped``, ``skip_reasons``).
         metrics_name: the metrics file of this run (``metrics.json``; ``metrics_evaluate.json`` for evaluate.yaml).
         top_k: changed ops listed per policy.
+        split: the split the metrics are of, as the Dice lines name it (``"test"``; evaluate.yaml's
+            ``evaluate_split``).
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class RunSummary:
         updaters: Sequence = (),
         metrics_name: str = "metrics.json",
         top_k: int = 3,
+        split: str = "test",
     ) -> None:
         self.output_dir = Path(output_dir)
         self.tra_policy, self.tea_policy = tra_policy, tea_policy
@@ -52,6 +56,7 @@ class RunSummary:
         self.updaters = list(updaters)
         self.metrics_name = metrics_name
         self.top_k = int(top_k)
+        self.split = str(split)
 
     def lines(self, metrics: Mapping | None = None) -> list[str]:
         """The summary, one string per line."""
@@ -60,8 +65,8 @@ class RunSummary:
         if methods:
             n = max(len(v.get("per_case", [])) for v in methods.values())
             means = {name: values["mean_dice"] for name, values in methods.items()}
-            out.append(f"  test Dice (mean of {n} cases; no TTA = none): {_dice_changes(means)}")
-            out += _reported_dice(methods)
+            out.append(f"  {self.split} Dice (mean of {n} cases; no TTA = none): {_dice_changes(means)}")
+            out += _reported_dice(methods, self.split)
             kept = next(iter(methods.values())).get("largest_component_classes")
             if kept:
                 on_validation = (self.output_dir / POSTPROCESSING_NAME).is_file()
@@ -124,7 +129,7 @@ def _dice_changes(means: Mapping[str, float | None]) -> str:
     return ", ".join(texts)
 
 
-def _reported_dice(methods: Mapping[str, Mapping]) -> list[str]:
+def _reported_dice(methods: Mapping[str, Mapping], split: str = "test") -> list[str]:
     """One line per class subset the task reports (``mean_dice_reported`` of ``metrics.json``, e.g. the KiTS
     tumour), except a subset of all foreground classes: the line above has that one."""
     lines = []
@@ -136,7 +141,7 @@ def _reported_dice(methods: Mapping[str, Mapping]) -> list[str]:
             continue
         means = {name: v.get("mean_dice_reported", {}).get(subset, {}).get("mean_dice") for name, v in methods.items()}
         which = f"class{'es' if len(classes) > 1 else ''} {' '.join(map(str, classes))}"
-        lines.append(f"  test Dice, {subset} ({which}): {_dice_changes(means)}")
+        lines.append(f"  {split} Dice, {subset} ({which}): {_dice_changes(means)}")
     return lines
 
 

@@ -18,8 +18,10 @@ from jcsaug.evaluation.postprocessing import (
 )
 from jcsaug.evaluation.report import Report, ReportError, build_report, build_report_parser, run_report
 from jcsaug.evaluation.segmentation import case_dice, case_spacing, evaluate_cases, label_map_dice, per_case_csv
+from jcsaug.evaluation.splits import EVALUATION_SPLITS, evaluation_file_names, evaluation_split
 
 __all__ = [
+    "EVALUATION_SPLITS",
     "HIGHER_IS_BETTER",
     "METRICS",
     "POSTPROCESSING_NAME",
@@ -34,6 +36,8 @@ __all__ = [
     "chooses_on_validation",
     "component_classes",
     "evaluate_cases",
+    "evaluation_file_names",
+    "evaluation_split",
     "label_map_dice",
     "largest_connected_component",
     "parse_component_classes",
