@@ -764,7 +764,7 @@ def check_evaluation_data(split: str, splits: Mapping[str, Sequence[Any]], **kwa
         entries = evaluation_split(split, splits)
     except ValueError as err:
         raise PreflightError(str(err)) from None
-    check_data.__wrapped__({split: entries}, **kwargs)
+    check_data({split: entries}, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- patch size
