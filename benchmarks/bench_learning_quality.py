@@ -62,10 +62,12 @@ each aspect of the shift undone by one of the TEA policy's top ``--tea-z`` ops; 
 when the oracle gains under :data:`MIN_ORACLE_GAIN` on the shift (knowing the answer is worth nothing there, as on
 ``--shift blur``). A Markdown table goes to ``--out``.
 
-With ``--validation`` every run is also evaluated on the validation split (the bundle's ``evaluate.yaml`` with
-``evaluate_split validation``: the 4 volumes the learned policies were scored on; about 10 s per run, kept in the
-run's ``metrics_evaluate_validation.json``), and the report sets each mode's Dice there beside the test's: a learned
-policy that gains more on the cases it learned from than on the test cases fits them.
+With ``--validation`` every run is also evaluated by the bundle's ``evaluate.yaml`` on its validation split (the 4
+volumes the learned policies were scored on; ``metrics_evaluate_validation.json``) and on its test split
+(``metrics_evaluate.json``, for nnU-Net's mirroring on the same network; about 30 s per run, kept in the run's
+folder), and the report sets each mode's Dice there beside the test's, and the lead of its TTA over mirroring on the
+same networks on both: a learned policy that gains more on the cases it learned from than on the test cases fits
+them.
 """
 
 from __future__ import annotations
@@ -349,31 +351,50 @@ def _dice_pair(metrics: Mapping, tta_name: str | None) -> dict:
     }
 
 
-def evaluate_validation(run_dir: Path, data: Path, overrides: dict, device: str, threads: int) -> dict:
-    """Evaluate a finished run on its validation split (once: kept while newer than the run's ``metrics.json``);
-    returns ``{"none", "tta"}`` Dice there, ``tta`` with the TTA method the run itself was tested with."""
-    path = run_dir / "metrics_evaluate_validation.json"
+def evaluate_split(run_dir: Path, data: Path, overrides: dict, device: str, threads: int, split: str) -> dict:
+    """A finished run evaluated on ``split`` (``test`` or ``validation``) by the bundle's ``evaluate.yaml``, which
+    reports no TTA, nnU-Net's mirroring and the run's learned TEA alike: its metrics (kept in the run's folder, and
+    made again only when older than the run's ``metrics.json``)."""
+    from jcsaug.evaluation.splits import evaluation_file_names
+
+    path = run_dir / evaluation_file_names(split)[0]
     if not (path.is_file() and path.stat().st_mtime >= (run_dir / "metrics.json").stat().st_mtime):
         configs = f"['{CONFIGS / 'train.yaml'}','{CONFIGS / 'evaluate.yaml'}']"
         args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", configs,
                 "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf"),
-                "--dataset_dir", str(data), "--output_dir", str(run_dir), "--evaluate_split", "validation"]  # fmt: skip
+                "--dataset_dir", str(data), "--output_dir", str(run_dir), "--evaluate_split", split]  # fmt: skip
         if device != "auto":
             args += ["--device", f"$torch.device('{device}')"]
         for key, value in overrides.items():
             args += [f"--{key}", str(value)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        with open(run_dir / "bench_validation.log", "w") as log:
-            result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        log = run_dir / f"bench_evaluate_{split}.log"
+        with open(log, "w") as out:
+            result = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         if result.returncode != 0:
-            raise RuntimeError(f"validation of {run_dir} failed (exit {result.returncode}); see {log.name}")
-    own = json.loads((run_dir / "metrics.json").read_text())
-    return _dice_pair(json.loads(path.read_text()), _tta_name(own))
+            raise RuntimeError(
+                f"evaluating {run_dir} on the {split} split failed (exit {result.returncode}); see {log}"
+            )
+    return json.loads(path.read_text())
+
+
+def evaluate_validation(run_dir: Path, data: Path, overrides: dict, device: str, threads: int) -> dict:
+    """A finished run's Dice (in points) on its validation split, ``none`` and ``tta`` (the TTA method the run itself
+    was tested with), and the lead of that TTA over nnU-Net's mirroring on the same network, ``lead_validation`` and
+    ``lead_test`` (0 for a run tested with mirroring)."""
+    tta = _tta_name(json.loads((run_dir / "metrics.json").read_text()))
+    validation = evaluate_split(run_dir, data, overrides, device, threads, "validation")
+    test = evaluate_split(run_dir, data, overrides, device, threads, "test")
+
+    def lead(metrics: Mapping) -> float:
+        return 100 * (metrics[tta]["mean_dice"] - metrics["heuristic"]["mean_dice"]) if tta else 0.0
+
+    return {**_dice_pair(validation, tta), "lead_validation": lead(validation), "lead_test": lead(test)}
 
 
 def validation_lines(modes: list[str], results: dict, validation: dict, seeds: list[int], cases: int) -> list[str]:
     """The report's table of each mode's Dice on the validation split beside the test split's (means over seeds):
-    the change against the baseline and each TTA's gain over its own plain prediction, on both."""
+    the change against the baseline, and the lead of the mode's TTA over mirroring on the same networks, on both."""
 
     def mean(mode: str, table: dict, key: str, base: bool = False) -> float:
         rows = [table[(mode, s)][key] - (table[(BASELINE, s)][key] if base else 0.0) for s in seeds]
@@ -383,16 +404,17 @@ def validation_lines(modes: list[str], results: dict, validation: dict, seeds: l
              "means over seeds (`--validation`): a learned policy that gains more on the validation cases than on "
              "the test cases fits them.", "",
              "| mode | validation none / TTA | test none / TTA | Δ vs baseline, validation TTA / none "
-             "| Δ vs baseline, test TTA / none | TTA gain over none, validation / test |",
+             "| Δ vs baseline, test TTA / none | its TTA − mirroring on the same networks, validation / test |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for mode in modes:
         v = {k: mean(mode, validation, k) for k in ("none", "tta")}
         t = {k: mean(mode, results, k) for k in ("none", "tta")}
         dv = {k: mean(mode, validation, k, base=True) for k in ("none", "tta")}
         dt = {k: mean(mode, results, k, base=True) for k in ("none", "tta")}
-        lines.append(f"| {mode} | {v['none']:.1f} / {v['tta']:.1f} | {t['none']:.1f} / {t['tta']:.1f} "
-                     f"| {dv['tta']:+.1f} / {dv['none']:+.1f} | {dt['tta']:+.1f} / {dt['none']:+.1f} "
-                     f"| {v['tta'] - v['none']:+.1f} / {t['tta'] - t['none']:+.1f} |")  # fmt: skip
+        lead = f"{mean(mode, validation, 'lead_validation'):+.1f} / {mean(mode, validation, 'lead_test'):+.1f}"
+        cells = [f"{v['none']:.1f} / {v['tta']:.1f}", f"{t['none']:.1f} / {t['tta']:.1f}",
+                 f"{dv['tta']:+.1f} / {dv['none']:+.1f}", f"{dt['tta']:+.1f} / {dt['none']:+.1f}", lead]  # fmt: skip
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -403,15 +403,19 @@ def test_a_json_shift_gets_its_own_dataset_runs_report_and_oracle(bench, tmp_pat
 
 
 def test_validation_evaluates_each_run_once_with_its_own_settings_and_reads_its_own_tta(bench, tmp_path, monkeypatch):
-    """``--validation``: the bundle's evaluate.yaml on the validation split, with the run's overrides; kept while
-    newer than the run's metrics.json; its Dice read with the TTA method the run itself was tested with."""
+    """``--validation``: the bundle's evaluate.yaml on the validation and the test split, with the run's overrides;
+    kept while newer than the run's metrics.json; the Dice read with the TTA method the run itself was tested with,
+    and its lead over mirroring on the same network on both splits."""
     launched = []
 
-    def fake_bundle(args, **kwargs):  # writes what evaluate.yaml on the validation split leaves
+    def fake_bundle(args, **kwargs):  # writes what evaluate.yaml leaves for the split it was given
         launched.append(args)
         run_dir = Path(args[args.index("--output_dir") + 1])
-        metrics = {"none": {"mean_dice": 0.6}, "heuristic": {"mean_dice": 0.9}, "learned": {"mean_dice": 0.7}}
-        (run_dir / "metrics_evaluate_validation.json").write_text(json.dumps(metrics))
+        split = args[args.index("--evaluate_split") + 1]
+        learned = 0.7 if split == "validation" else 0.65
+        metrics = {"none": {"mean_dice": 0.6}, "heuristic": {"mean_dice": 0.62}, "learned": {"mean_dice": learned}}
+        name = "metrics_evaluate.json" if split == "test" else f"metrics_evaluate_{split}.json"
+        (run_dir / name).write_text(json.dumps(metrics))
         return SimpleNamespace(returncode=0)
 
     monkeypatch.setattr(bench.subprocess, "run", fake_bundle)
@@ -420,22 +424,24 @@ def test_validation_evaluates_each_run_once_with_its_own_settings_and_reads_its_
     (run_dir / "metrics.json").write_text(json.dumps({"none": {"mean_dice": 0.5}, "learned": {"mean_dice": 0.55}}))
     overrides = {"tra_mode": "class-specific", "tea_mode": "joint"}
     got = bench.evaluate_validation(run_dir, tmp_path / "data", overrides, "cpu", 1)
-    assert got == pytest.approx({"none": 60.0, "tta": 70.0})  # the run's own TTA ("learned"), not mirroring
-    args = launched[0]
-    assert args[args.index("--evaluate_split") + 1] == "validation"
-    assert "evaluate.yaml" in args[args.index("--config_file") + 1]
-    assert args[args.index("--tea_mode") + 1] == "joint" and args[args.index("--dataset_dir") + 1] == str(
-        tmp_path / "data"
-    )
+    # the run's own TTA ("learned"), not mirroring; its lead over mirroring: 8 points on validation, 3 on test
+    assert got == pytest.approx({"none": 60.0, "tta": 70.0, "lead_validation": 8.0, "lead_test": 3.0})
+    assert sorted(a[a.index("--evaluate_split") + 1] for a in launched) == ["test", "validation"]
+    for args in launched:
+        assert "evaluate.yaml" in args[args.index("--config_file") + 1]
+        assert args[args.index("--tea_mode") + 1] == "joint"
+        assert args[args.index("--dataset_dir") + 1] == str(tmp_path / "data")
     bench.evaluate_validation(run_dir, tmp_path / "data", overrides, "cpu", 1)
-    assert len(launched) == 1  # kept
+    assert len(launched) == 2  # kept
     later = (run_dir / "metrics_evaluate_validation.json").stat().st_mtime + 10
     os.utime(run_dir / "metrics.json", (later, later))  # the run was made again since: evaluated again
     bench.evaluate_validation(run_dir, tmp_path / "data", overrides, "cpu", 1)
-    assert len(launched) == 2
+    assert len(launched) == 4
+    (run_dir / "metrics.json").write_text(json.dumps({"none": {"mean_dice": 0.5}, "heuristic": {"mean_dice": 0.5}}))
+    assert bench.evaluate_validation(run_dir, tmp_path / "data", overrides, "cpu", 1)["lead_test"] == 0.0  # mirroring
     monkeypatch.setattr(bench.subprocess, "run", lambda args, **kwargs: SimpleNamespace(returncode=1))
     os.utime(run_dir / "metrics.json", (later + 10, later + 10))
-    with pytest.raises(RuntimeError, match="bench_validation.log"):
+    with pytest.raises(RuntimeError, match="on the validation split failed .*bench_evaluate_validation.log"):
         bench.evaluate_validation(run_dir, tmp_path / "data", overrides, "cpu", 1)
 
 
@@ -443,25 +449,27 @@ def test_the_validation_table_sets_each_modes_validation_dice_beside_its_test_di
     test = {("heuristic+mirror", 0): {"none": 80.0, "tta": 81.0}, ("heuristic+mirror", 1): {"none": 82.0, "tta": 83.0},
             ("class-specific+joint", 0): {"none": 79.0, "tta": 80.0},
             ("class-specific+joint", 1): {"none": 81.0, "tta": 82.0}}  # fmt: skip
-    val = {("heuristic+mirror", 0): {"none": 70.0, "tta": 71.0}, ("heuristic+mirror", 1): {"none": 72.0, "tta": 73.0},
-           ("class-specific+joint", 0): {"none": 73.0, "tta": 77.0},
-           ("class-specific+joint", 1): {"none": 75.0, "tta": 79.0}}  # fmt: skip
+    mirror = {"lead_validation": 0.0, "lead_test": 0.0}
+    val = {("heuristic+mirror", 0): {"none": 70.0, "tta": 71.0, **mirror},
+           ("heuristic+mirror", 1): {"none": 72.0, "tta": 73.0, **mirror},
+           ("class-specific+joint", 0): {"none": 73.0, "tta": 77.0, "lead_validation": 3.0, "lead_test": 1.0},
+           ("class-specific+joint", 1): {"none": 75.0, "tta": 79.0, "lead_validation": 2.0, "lead_test": 0.0},
+           }  # fmt: skip
     lines = bench.validation_lines(["heuristic+mirror", "class-specific+joint"], test, val, [0, 1], 4)
     assert "4 cases" in lines[0]
     rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ") and "mode" not in line}
-    # validation 74 / 78, test 80 / 81; against the baseline (71 / 72 and 81 / 82): +6 / +3 and -1 / -1; TTA gains
+    # validation 74 / 78, test 80 / 81; against the baseline (71 / 72 and 81 / 82): +6 / +3 and -1 / -1; the leads
     assert rows["class-specific+joint"] == (
-        "| class-specific+joint | 74.0 / 78.0 | 80.0 / 81.0 | +6.0 / +3.0 | -1.0 / -1.0 | +4.0 / +1.0 |"
+        "| class-specific+joint | 74.0 / 78.0 | 80.0 / 81.0 | +6.0 / +3.0 | -1.0 / -1.0 | +2.5 / +0.5 |"
     )
-    assert rows["heuristic+mirror"].endswith("| +0.0 / +0.0 | +0.0 / +0.0 | +1.0 / +1.0 |")
+    assert rows["heuristic+mirror"].endswith("| +0.0 / +0.0 | +0.0 / +0.0 | +0.0 / +0.0 |")
 
 
 def test_validation_reaches_the_report_only_when_asked(bench, tmp_path, monkeypatch, capsys):
     evaluated = []
     monkeypatch.setattr(bench, "run_one", lambda *args: finished_run())
-    monkeypatch.setattr(
-        bench, "evaluate_validation", lambda run_dir, *rest: evaluated.append(run_dir) or finished_run()
-    )
+    on_validation = {**finished_run(), "lead_validation": 1.0, "lead_test": 0.5}
+    monkeypatch.setattr(bench, "evaluate_validation", lambda run_dir, *rest: evaluated.append(run_dir) or on_validation)
     monkeypatch.setattr(bench, "undoing_op_report", lambda *args: ([], []))
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "dataset.json").write_text(json.dumps({"validation": [{}, {}, {}]}))
@@ -475,4 +483,5 @@ def test_validation_reaches_the_report_only_when_asked(bench, tmp_path, monkeypa
     bench.main()
     assert len(evaluated) == 4  # every run
     report = (tmp_path / "learning_quality_default.md").read_text()
-    assert "Validation split (3 cases" in report and "| class-specific+joint | 50.0 / 55.0 | 50.0 / 55.0 |" in report
+    assert "Validation split (3 cases" in report
+    assert "| class-specific+joint | 50.0 / 55.0 | 50.0 / 55.0 | +0.0 / +0.0 | +0.0 / +0.0 | +1.0 / +0.5 |" in report
