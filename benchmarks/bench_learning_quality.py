@@ -303,6 +303,25 @@ def reusable(run_dir: Path, settings: dict) -> bool:
     return True
 
 
+def run_bundle(
+    configs: list[str], data: Path, run_dir: Path, device: str, overrides: Mapping, threads: int, log: Path
+) -> int:
+    """``python -m monai.bundle run`` of the synthetic bundle's ``configs`` (merged in that order) on ``data`` with
+    ``output_dir`` ``run_dir``, as a user would launch it, on ``threads`` CPU threads, its output in ``log``; returns
+    its exit status."""
+    files = [str(CONFIGS / c) for c in configs]
+    args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", files[0] if len(files) == 1 else str(files),
+            "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf"),
+            "--dataset_dir", str(data), "--output_dir", str(run_dir)]  # fmt: skip
+    if device != "auto":
+        args += ["--device", f"$torch.device('{device}')"]
+    for key, value in overrides.items():
+        args += [f"--{key}", str(value)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    with open(log, "w") as out:
+        return subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
+
+
 def run_one(
     mode: str, seed: int, data: Path, run_dir: Path, overrides: dict, device: str, reuse: bool, threads: int
 ) -> dict:
@@ -311,21 +330,13 @@ def run_one(
     metrics = run_dir / "metrics.json"
     settings = run_settings(mode, seed, data, overrides, device)
     if not (reuse and reusable(run_dir, settings)):
-        args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(CONFIGS / "train.yaml"),
-                "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf"),
-                "--dataset_dir", str(data), "--output_dir", str(run_dir), "--seed", str(seed),
-                "--overwrite", "true"]  # fmt: skip  # the folder is the benchmark's: a run left there is replaced
-        if device != "auto":
-            args += ["--device", f"$torch.device('{device}')"]
-        for key, value in overrides.items():
-            args += [f"--{key}", str(value)]
+        # the folder is the benchmark's: a run left there is replaced
+        extra = {"seed": seed, "overwrite": "true", **overrides}
         run_dir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        with open(run_dir / "bench.log", "w") as log:
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-            result = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        if result.returncode != 0:
-            raise RuntimeError(f"{mode} seed {seed} failed (exit {result.returncode}); see {run_dir / 'bench.log'}")
+        returncode = run_bundle(["train.yaml"], data, run_dir, device, extra, threads, run_dir / "bench.log")
+        if returncode != 0:
+            raise RuntimeError(f"{mode} seed {seed} failed (exit {returncode}); see {run_dir / 'bench.log'}")
         (run_dir / "bench_seconds.txt").write_text(f"{time.perf_counter() - start:.1f}\n")
         (run_dir / "bench_settings.json").write_text(json.dumps(settings, indent=1) + "\n")
     seconds = float((run_dir / "bench_seconds.txt").read_text()) if (run_dir / "bench_seconds.txt").is_file() else 0.0
@@ -359,22 +370,11 @@ def evaluate_split(run_dir: Path, data: Path, overrides: dict, device: str, thre
 
     path = run_dir / evaluation_file_names(split)[0]
     if not (path.is_file() and path.stat().st_mtime >= (run_dir / "metrics.json").stat().st_mtime):
-        configs = f"['{CONFIGS / 'train.yaml'}','{CONFIGS / 'evaluate.yaml'}']"
-        args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", configs,
-                "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf"),
-                "--dataset_dir", str(data), "--output_dir", str(run_dir), "--evaluate_split", split]  # fmt: skip
-        if device != "auto":
-            args += ["--device", f"$torch.device('{device}')"]
-        for key, value in overrides.items():
-            args += [f"--{key}", str(value)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         log = run_dir / f"bench_evaluate_{split}.log"
-        with open(log, "w") as out:
-            result = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        if result.returncode != 0:
-            raise RuntimeError(
-                f"evaluating {run_dir} on the {split} split failed (exit {result.returncode}); see {log}"
-            )
+        extra = {**overrides, "evaluate_split": split}
+        returncode = run_bundle(["train.yaml", "evaluate.yaml"], data, run_dir, device, extra, threads, log)
+        if returncode != 0:
+            raise RuntimeError(f"evaluating {run_dir} on the {split} split failed (exit {returncode}); see {log}")
     return json.loads(path.read_text())
 
 
