@@ -40,6 +40,7 @@ from torch import nn
 from jcsaug.data.checks import pair_problems
 from jcsaug.engine.resume import RESUME_FILE, check_resume_matches
 from jcsaug.evaluation.postprocessing import POSTPROCESSING_NAME, chooses_on_validation
+from jcsaug.evaluation.splits import EVALUATION_SPLITS, evaluation_file_names, evaluation_split
 from jcsaug.utils import as_flag
 
 __all__ = [
@@ -66,10 +67,7 @@ RUN_ARTEFACTS = (
     "policy_history.png",
     "metrics.json",
     "per_case.csv",
-    "metrics_evaluate.json",
-    "per_case_evaluate.csv",
-    "metrics_evaluate_*.json",  # evaluate.yaml on another split (evaluate_split)
-    "per_case_evaluate_*.csv",
+    *(name for split in EVALUATION_SPLITS for name in evaluation_file_names(split)),  # evaluate.yaml's, per split
     POSTPROCESSING_NAME,
     "tensorboard",
     "predictions",
@@ -758,8 +756,6 @@ def check_evaluation_data(split: str, splits: Mapping[str, Sequence[Any]], **kwa
     Raises:
         PreflightError: an unknown or empty split, or what :func:`check_data` finds in its cases.
     """
-    from jcsaug.evaluation.splits import evaluation_split
-
     try:
         entries = evaluation_split(split, splits)
     except ValueError as err:
