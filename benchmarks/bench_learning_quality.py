@@ -60,7 +60,9 @@ without TTA - heuristic without TTA >= 4; each undoing TRA op >= 0.3 in both cla
 ``split-signs`` run its half that reproduces the shift; none with ``spec``, where half its draws go the other way);
 each aspect of the shift undone by one of the TEA policy's top ``--tea-z`` ops; printed ``N/A`` (with no shares)
 when the oracle gains under :data:`MIN_ORACLE_GAIN` on the shift (knowing the answer is worth nothing there, as on
-``--shift blur``). A Markdown table goes to ``--out``.
+``--shift blur``). A Markdown table goes to ``--out`` (``learning_quality_NAME.md``), its figures and verdicts as data
+beside it (``learning_quality_NAME.json``; ``benchmarks/summarize_learning_quality.py`` sets several shifts' side by
+side).
 
 With ``--validation`` every run is also evaluated by the bundle's ``evaluate.yaml`` on its validation split (the 4
 volumes the learned policies were scored on; ``metrics_evaluate_validation.json``) and on its test split
@@ -83,6 +85,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "bundles" / "synthetic_lesion" / "configs"
@@ -489,10 +492,19 @@ def oracle_share(delta: float, oracle_gain: float | None) -> str:
     return "-" if oracle_gain is None or oracle_gain < MIN_ORACLE_GAIN else f"{100 * delta / oracle_gain:.0f} %"
 
 
-def target_lines(checks: list[tuple[str, bool, float | None]], oracle_gain: float | None,
-                 tra_gain: float | None) -> list[str]:  # fmt: skip
+class Target(NamedTuple):
+    """One target of the report: its text, whether it is met, the oracle gain it is judged against (``N/A`` below
+    :data:`MIN_ORACLE_GAIN`) and a short label with the figure measured (for ``summarize_learning_quality.py``)."""
+
+    text: str
+    met: bool
+    oracle_gain: float | None
+    label: str = ""
+
+
+def target_lines(checks: list[Target], oracle_gain: float | None, tra_gain: float | None) -> list[str]:
     """The report's targets: a note when an oracle gains under :data:`MIN_ORACLE_GAIN`, then ``PASS`` / ``MISS`` /
-    ``N/A`` per ``(target, met, the oracle gain it is judged against)``."""
+    ``N/A`` per :class:`Target`."""
     lines = []
     if oracle_gain is not None and oracle_gain < MIN_ORACLE_GAIN:
         lines += [f"The oracle gains {oracle_gain:+.1f} Dice points on this shift (< {MIN_ORACLE_GAIN:g}): setting the "
@@ -502,7 +514,7 @@ def target_lines(checks: list[tuple[str, bool, float | None]], oracle_gain: floa
         lines += [f"The TRA's oracle gains {tra_gain:+.1f} Dice points (< {MIN_ORACLE_GAIN:g}; the best oracle "
                   f"{oracle_gain:+.1f}): no TRA set by hand undoes this shift, so the TRA-only targets do not apply.",
                   ""]  # fmt: skip
-    return lines + [f"- {verdict(ok, gain)} {text}" for text, ok, gain in checks]
+    return lines + [f"- {verdict(t.met, t.oracle_gain)} {t.text}" for t in checks]
 
 
 def undoing_op_report(
@@ -513,15 +525,15 @@ def undoing_op_report(
     tea_z: int,
     tra_gain: float | None,
     oracle_gain: float | None,
-) -> tuple[list[str], list[tuple[str, bool, float | None]]]:
-    """The report's lines on the shift-undoing ops, and their targets ``(text, met, oracle gain judged against)``:
+) -> tuple[list[str], list[Target]]:
+    """The report's lines on the shift-undoing ops, and their targets (:class:`Target`, with the figure judged):
     per mode that learns a TRA, each undoing TRA op's final probability per class group and seed; per mode that
     learns its TEA during training (``tea_mode joint``, with a learned or a heuristic TRA), the rank of the best
     TEA op of each aspect of the shift per seed."""
     from jcsaug.engine.modes import get_tea_mode, get_tra_mode  # what each bundle mode learns, from its registry
 
     lines: list[str] = []
-    checks: list[tuple[str, bool, float | None]] = []
+    checks: list[Target] = []
     for mode in modes:
         for entry in undone_by["tra"] if get_tra_mode(MODES[mode]["tra_mode"]).learned else []:
             probs = [tra_probability(results[(mode, s)]["policies"], entry["series"], entry["op"]) for s in seeds]
@@ -542,16 +554,45 @@ def undoing_op_report(
                 probs = [tra_probability(results[(mode, s)]["policies"], entry["series"], op) for s in seeds]
                 text = "; ".join(", ".join(f"{p:.2f}" for p in groups) for groups in probs)
                 lines.append(f"- {mode}: TRA `{entry['series']}/{op}` (the half that reproduces the shift): {text}")
-            met = min(statistics.mean(p[g] for p in probs) for g in range(len(probs[0]))) >= 0.3
-            checks.append((f"{mode}: TRA {entry['series']}/{op} >= 0.3 in every group (mean over seeds)",
-                           met, tra_gain))  # fmt: skip
+            means = [statistics.mean(p[g] for p in probs) for g in range(len(probs[0]))]
+            figure = " / ".join(f"{m:.2f}" for m in means)
+            judged = f"{mode}: TRA {entry['series']}/{op}"
+            checks.append(Target(f"{judged} >= 0.3 in every group (mean over seeds: {figure})", min(means) >= 0.3,
+                                 tra_gain, f"{judged} {figure}"))  # fmt: skip
         if get_tea_mode(MODES[mode]["tea_mode"]).joint:
             for aspect in undone_by["tea"]:
                 ranks = [min(tea_ranks(results[(mode, s)]["policies"])[name] for name in aspect) for s in seeds]
                 lines.append(f"- {mode}: TEA {' / '.join(aspect)}: rank {', '.join(map(str, ranks))}")
-                checks.append((f"{mode}: TEA {aspect[0]} (or equivalent) in the top {tea_z} (median seed)",
-                               statistics.median(ranks) <= tea_z, oracle_gain))  # fmt: skip
+                median = statistics.median(ranks)
+                checks.append(Target(f"{mode}: TEA {aspect[0]} (or equivalent) in the top {tea_z} (median seed: "
+                                     f"rank {median:g})", median <= tea_z, oracle_gain,
+                                     f"{mode}: TEA {aspect[0]} rank {median:g}"))  # fmt: skip
     return lines, checks
+
+
+def quality_record(
+    name: str,
+    aspects: Mapping,
+    args: argparse.Namespace,
+    modes: list[str],
+    results: dict[tuple[str, int], dict],
+    checks: list[Target],
+    oracle_gain: float | None,
+) -> dict:
+    """The report's figures as data (``learning_quality_NAME.json``, read by ``summarize_learning_quality.py``):
+    the shift, the settings, test Dice per mode and seed (none / TTA), the oracle's gain and each target's verdict."""
+    return {
+        "shift": name,
+        "target_domain": dict(aspects),
+        "seeds": list(args.seeds),
+        "device": args.device,
+        "settings": list(args.set),
+        "baseline": BASELINE,
+        "dice": {m: {k: [results[(m, s)][k] for s in args.seeds] for k in ("none", "tta")} for m in modes},
+        "seconds": {m: [results[(m, s)]["seconds"] for s in args.seeds] for m in modes},
+        "oracle_gain": oracle_gain,
+        "targets": [{"target": t.text, "label": t.label, "verdict": verdict(t.met, t.oracle_gain)} for t in checks],
+    }
 
 
 def main() -> None:
@@ -587,6 +628,7 @@ def main() -> None:
     args.out = args.out.resolve()  # the runs start in the repository root: a relative path would land there
 
     from jcsaug.data.synthetic import changed_aspects, describe_shift
+    from jcsaug.utils import atomic_write_text
 
     name = shift_name(args.shift)
     about = f"`{json.dumps(changed_aspects(args.shift))}`: {describe_shift(args.shift)}"
@@ -667,10 +709,11 @@ def main() -> None:
     lines += ["", "Targets:", ""]
     if "class-specific+joint" in summary:
         delta, delta_none = summary["class-specific+joint"]
-        checks = [(f"joint - heuristic+mirror >= 6 Dice points (mean {statistics.mean(delta):+.1f})",
-                   statistics.mean(delta) >= 6, oracle_gain),
-                  (f"learned TRA without TTA - heuristic without TTA >= 4 (mean {statistics.mean(delta_none):+.1f})",
-                   statistics.mean(delta_none) >= 4, tra_gain)] + checks  # fmt: skip
+        gain, gain_none = statistics.mean(delta), statistics.mean(delta_none)
+        checks = [Target(f"joint - heuristic+mirror >= 6 Dice points (mean {gain:+.1f})", gain >= 6, oracle_gain,
+                         f"joint - heuristic+mirror {gain:+.1f}"),
+                  Target(f"learned TRA without TTA - heuristic without TTA >= 4 (mean {gain_none:+.1f})",
+                         gain_none >= 4, tra_gain, f"learned TRA without TTA {gain_none:+.1f}")] + checks  # fmt: skip
     lines += target_lines(checks, oracle_gain, tra_gain)
     if validation:
         cases = len(json.loads((data / "dataset.json").read_text())["validation"])
@@ -679,7 +722,9 @@ def main() -> None:
     print("\n" + report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"learning_quality_{name}.md").write_text(report)
-    print(f"written: {args.out / f'learning_quality_{name}.md'}")
+    record = quality_record(name, changed_aspects(args.shift), args, modes, results, checks, oracle_gain)
+    atomic_write_text(args.out / f"learning_quality_{name}.json", json.dumps(record, indent=1) + "\n")
+    print(f"written: {args.out / f'learning_quality_{name}.md'} (and its .json, read by summarize_learning_quality.py)")
 
 
 if __name__ == "__main__":

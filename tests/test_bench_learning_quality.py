@@ -90,13 +90,14 @@ def test_the_oracle_tea_policy_weighs_the_identity_and_the_undoing_ops_equally(b
 
 def test_tra_targets_do_not_apply_where_only_a_test_time_oracle_gains(bench):
     """The TRA-only targets are judged against the TRA oracles' gain, the others against the largest oracle's."""
-    checks = [("joint >= 6", False, 3.0), ("no TTA >= 4", False, 0.3), ("TEA op in top 8", True, 3.0)]
+    target = bench.Target
+    checks = [target("joint >= 6", False, 3.0), target("no TTA >= 4", False, 0.3), target("TEA op in top 8", True, 3.0)]
     lines = bench.target_lines(checks, oracle_gain=3.0, tra_gain=0.3)
     assert "the TRA-only targets do not apply" in lines[0]
     assert lines[2:] == ["- MISS joint >= 6", "- N/A no TTA >= 4", "- PASS TEA op in top 8"]
-    nothing = bench.target_lines([("joint >= 6", True, -0.2)], oracle_gain=-0.2, tra_gain=-0.2)
+    nothing = bench.target_lines([target("joint >= 6", True, -0.2)], oracle_gain=-0.2, tra_gain=-0.2)
     assert "the targets do not apply" in nothing[0] and nothing[-1] == "- N/A joint >= 6"
-    assert bench.target_lines([("joint >= 6", True, None)], None, None) == ["- PASS joint >= 6"]  # no oracle run
+    assert bench.target_lines([target("joint >= 6", True, None)], None, None) == ["- PASS joint >= 6"]  # no oracle
 
 
 @pytest.mark.parametrize("group", [0, 1])
@@ -203,11 +204,17 @@ def test_ranks_are_reported_for_every_mode_that_learns_its_tea_and_probabilities
     assert "- heuristic+learned-tea: TEA rotate_frontal_acw_90 / rotate_frontal_cw_90: rank 1, 1" in lines
     joint = [line for line in lines if line.startswith("- class-specific+joint")]
     assert len(joint) == len(undone_by["tra"]) + len(undone_by["tea"])
-    by_text = {text: met for text, met, _ in checks}
-    assert by_text["heuristic+learned-tea: TEA rotate_frontal_acw_90 (or equivalent) in the top 8 (median seed)"]
+    by_text = {t.text: t.met for t in checks}
+    quarter_turn = "heuristic+learned-tea: TEA rotate_frontal_acw_90 (or equivalent) in the top 8 (median seed: rank 1)"
+    assert by_text[quarter_turn]
     # the nnU-Net preset's rot90 (0.025) misses the TRA target; its mirror (0.5) meets it
-    assert not by_text["class-specific+joint: TRA rotate_frontal/rot90 >= 0.3 in every group (mean over seeds)"]
-    assert by_text["class-specific+joint: TRA mirror_sagittal/flip >= 0.3 in every group (mean over seeds)"]
+    rot90 = "class-specific+joint: TRA rotate_frontal/rot90 >= 0.3 in every group (mean over seeds: 0.02 / 0.02)"
+    assert not by_text[rot90]
+    flip = "class-specific+joint: TRA mirror_sagittal/flip >= 0.3 in every group (mean over seeds: 0.50 / 0.50)"
+    assert by_text[flip]
+    labels = {t.label for t in checks}  # the summary's short form, with the figure judged
+    assert "class-specific+joint: TRA rotate_frontal/rot90 0.02 / 0.02" in labels  # the preset's 0.025
+    assert "heuristic+learned-tea: TEA rotate_frontal_acw_90 rank 1" in labels
 
 
 def test_a_random_sign_op_is_judged_by_its_half_in_a_split_signs_run_and_not_at_all_with_spec(bench):
@@ -228,13 +235,14 @@ def test_a_random_sign_op_is_judged_by_its_half_in_a_split_signs_run_and_not_at_
 
         lines, checks = bench.undoing_op_report(modes, results, [0, 1], undone_by, 8, tra_gain=9.0, oracle_gain=9.0)
 
-        by_text = {text: met for text, met, _ in checks}
+        by_text = {t.text: t.met for t in checks}
         if catalogue == "split-signs":
             assert "- class-specific+joint: TRA `scale/scale±[0.4,0.5)`: 0.50, 0.40; 0.50, 0.40 (+ / - halves: " \
                    "0.00 / 0.50, 0.00 / 0.40; 0.00 / 0.50, 0.00 / 0.40)" in lines  # fmt: skip
             assert ("- class-specific+joint: TRA `scale/scale-[0.4,0.5)` (the half that reproduces the shift): "
                     "0.50, 0.40; 0.50, 0.40") in lines  # fmt: skip
-            assert by_text["class-specific+joint: TRA scale/scale-[0.4,0.5) >= 0.3 in every group (mean over seeds)"]
+            judged = "class-specific+joint: TRA scale/scale-[0.4,0.5) >= 0.3 in every group (mean over seeds: "
+            assert by_text[judged + "0.50 / 0.40)"]
         else:
             assert lines[0].endswith("(partial: its sign is drawn; no target)")
             assert not any("TRA scale" in text for text in by_text)
@@ -245,7 +253,7 @@ def test_a_random_sign_op_is_judged_by_its_half_in_a_split_signs_run_and_not_at_
     results = {(m, seed): {"policies": policies} for m in modes for seed in (0, 1)}
     _, checks = bench.undoing_op_report(modes, results, [0, 1], shift_undoing_ops(TARGET_SHIFTS["default"]), 8,
                                         tra_gain=14.0, oracle_gain=14.0)  # fmt: skip
-    judged = [text.split(": TRA ")[1].split(" >= ")[0] for text, _, _ in checks if ": TRA " in text]
+    judged = [t.text.split(": TRA ")[1].split(" >= ")[0] for t in checks if ": TRA " in t.text]
     assert judged == ["rotate_frontal/rot90", "mirror_sagittal/flip", "gamma/gamma+[0.4,0.6)"]
 
 
@@ -485,3 +493,36 @@ def test_validation_reaches_the_report_only_when_asked(bench, tmp_path, monkeypa
     report = (tmp_path / "learning_quality_default.md").read_text()
     assert "Validation split (3 cases" in report
     assert "| class-specific+joint | 50.0 / 55.0 | 50.0 / 55.0 | +0.0 / +0.0 | +0.0 / +0.0 | +1.0 / +0.5 |" in report
+
+
+def test_the_record_beside_the_report_holds_its_figures_and_verdicts(bench, tmp_path, monkeypatch):
+    """``learning_quality_NAME.json``: the settings, Dice per mode and seed, the report's verdicts line for line."""
+    dice = {"heuristic+mirror": (50.0, 55.0), "class-specific+joint": (56.0, 62.0)}
+
+    def fake_run_one(mode, seed, *rest):
+        return {**finished_run(), "none": dice[mode][0] + seed, "tta": dice[mode][1] + seed, "seconds": 10.0 + seed}
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    shift = {"undone_by": shift_undoing_ops(TARGET_SHIFTS["default"])}
+    monkeypatch.setattr(bench, "prepare_dataset", lambda out, _: (out / "data", shift))
+    argv = ["bench", "--modes", "class-specific+joint", "--seeds", "0", "1", "--out", str(tmp_path), "--set",
+            "tra_counterfactuals=4"]  # fmt: skip
+    monkeypatch.setattr(bench.sys, "argv", argv)
+    bench.main()
+
+    record = json.loads((tmp_path / "learning_quality_default.json").read_text())
+    report = (tmp_path / "learning_quality_default.md").read_text()
+    assert record["shift"] == "default" and record["seeds"] == [0, 1] and record["device"] == "cpu"
+    assert record["target_domain"] == {"long_axis": 2, "mirror_axis0": True, "gamma": [1.4, 1.6]}
+    assert record["settings"] == ["tra_counterfactuals=4"] and record["baseline"] == "heuristic+mirror"
+    assert record["dice"]["class-specific+joint"] == {"none": [56.0, 57.0], "tta": [62.0, 63.0]}
+    assert record["seconds"]["heuristic+mirror"] == [10.0, 11.0] and record["oracle_gain"] is None
+    verdicts = [f"- {t['verdict']} {t['target']}" for t in record["targets"]]
+    assert verdicts == [line for line in report.splitlines() if line.startswith(("- PASS ", "- MISS ", "- N/A "))]
+    assert verdicts[:2] == ["- PASS joint - heuristic+mirror >= 6 Dice points (mean +7.0)",
+                            "- PASS learned TRA without TTA - heuristic without TTA >= 4 (mean +6.0)"]  # fmt: skip
+    assert record["targets"][2] == {  # the preset's quarter turn: the figure judged is in the text and the label
+        "target": "class-specific+joint: TRA rotate_frontal/rot90 >= 0.3 in every group (mean over seeds: 0.02 / 0.02)",
+        "label": "class-specific+joint: TRA rotate_frontal/rot90 0.02 / 0.02",
+        "verdict": "MISS",
+    }

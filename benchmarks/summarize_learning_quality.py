@@ -1,0 +1,131 @@
+"""Issue 10's targets side by side: one table from the records ``bench_learning_quality.py`` writes.
+
+Command (from the repository root)::
+
+    python benchmarks/summarize_learning_quality.py OUT [OUT ...] [--output FILE]
+
+Each ``OUT`` is a ``--out`` folder of ``bench_learning_quality.py`` (every ``learning_quality_*.json`` in it: one per
+shift it reported) or one such file. The benchmark writes the record beside its Markdown report, with the seeds and
+``--set`` settings it was called with; so report each shift over the seeds and settings to compare (e.g. ``--seeds
+0 1 2 3 4 --reuse``, which reads the finished runs again), then summarize the folders. One row per record, in the
+order given: the shift (a ``custom-`` one with its mapping), the settings, the seeds, the joint's lead over
+``heuristic+mirror`` with TTA / without (the targets: +6 / +4; mean over seeds), the gain of the best oracle mode
+reported (what knowing the answer is worth), the mean wall time of a joint run,
+how many targets are met (``N/A``: the oracle gains nothing on that shift; "no oracle run": no oracle mode was
+reported, so none could be found not to apply), and the missed ones with the figure measured (the joint's without
+its mode's name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+JOINT = "class-specific+joint"
+
+
+class RecordError(ValueError):
+    """A record that cannot be read, named by its file."""
+
+
+def record_files(paths: list[Path]) -> list[Path]:
+    """The records under ``paths`` in the order given (a folder's sorted by name)."""
+    files = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(path.glob("learning_quality_*.json"))
+            if not found:
+                raise RecordError(f"{path}: no learning_quality_*.json in it (run bench_learning_quality.py with "
+                                  "--out there first)")  # fmt: skip
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise RecordError(f"{path}: no such file or folder")
+    return files
+
+
+def load_record(path: Path) -> dict:
+    """One record, checked for what the table reads."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise RecordError(f"{path}: not a readable JSON record ({error})") from error
+    keys = ("shift", "seeds", "settings", "baseline", "dice", "seconds", "targets")
+    missing = [k for k in keys if k not in record] if isinstance(record, dict) else list(keys)
+    if missing:
+        raise RecordError(f"{path}: not a bench_learning_quality.py record (missing {missing})")
+    if record["baseline"] not in record["dice"]:
+        raise RecordError(f"{path}: no Dice of the baseline {record['baseline']!r}")
+    return record
+
+
+def seeds_text(seeds: list[int]) -> str:
+    """``0-4`` for a run of consecutive seeds, else the list."""
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}–{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def lead(record: dict, mode: str, key: str) -> float | None:
+    """The mean over seeds of ``mode``'s test Dice (``none`` or ``tta``) less the baseline's, seed by seed."""
+    if mode not in record["dice"]:
+        return None
+    base = record["dice"][record["baseline"]][key]
+    return statistics.mean(a - b for a, b in zip(record["dice"][mode][key], base))
+
+
+def row(record: dict) -> str:
+    """The record's row of the table."""
+    tta, none = lead(record, JOINT, "tta"), lead(record, JOINT, "none")
+    dice = "–" if tta is None else f"{tta:+.1f} / {none:+.1f}"
+    seconds = f"{statistics.mean(record['seconds'][JOINT]):.0f}" if JOINT in record["seconds"] else "–"
+    verdicts = [t["verdict"] for t in record["targets"]]
+    judged = [v for v in verdicts if v != "N/A"]
+    met = f"{judged.count('PASS')} of {len(judged)}" if judged else "–"
+    if len(judged) < len(verdicts):
+        met += f" ({len(verdicts) - len(judged)} N/A)"
+    if record.get("oracle_gain") is None and verdicts:
+        met += " (no oracle run)"  # so no target could be found not to apply
+    missed = [(t.get("label") or t["target"]).removeprefix(f"{JOINT}: ") for t in record["targets"]
+              if t["verdict"] == "MISS"]  # fmt: skip
+    shift = record["shift"]
+    if shift.startswith("custom-") and record.get("target_domain"):  # a hash: show the mapping it stands for
+        shift += f" `{json.dumps(record['target_domain'])}`"
+    oracle = "–" if record.get("oracle_gain") is None else f"{record['oracle_gain']:+.1f}"
+    cells = [shift, " ".join(record["settings"]) or "defaults", seeds_text(record["seeds"]), dice, oracle, seconds,
+             met, "; ".join(missed) or "–"]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
+
+
+def summary_table(records: list[dict]) -> str:
+    """The Markdown table, one row per record."""
+    lines = [
+        "| shift | settings | seeds | joint − heuristic+mirror, TTA / none (≥ +6 / +4) | the oracle's gain, TTA "
+        "| s / joint run | targets met | missed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(lines + [row(r) for r in records]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="+", type=Path, metavar="OUT", help="--out folders or record files")
+    parser.add_argument("--output", type=Path, default=None, help="also write the table to this file")
+    args = parser.parse_args(argv)
+    try:
+        records = [load_record(path) for path in record_files(args.paths)]
+    except RecordError as error:
+        parser.error(str(error))
+    table = summary_table(records)
+    print(table, end="")
+    if args.output is not None:
+        args.output.write_text(table)
+        print(f"written: {args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
