@@ -64,7 +64,7 @@ def load_record(path: Path) -> dict:
 
 
 def seeds_text(seeds: list[int]) -> str:
-    """``0-4`` for a run of consecutive seeds, else the list."""
+    """``0–4`` for a run of three or more consecutive seeds, else the list."""
     if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
         return f"{seeds[0]}–{seeds[-1]}"
     return ", ".join(map(str, seeds))
@@ -98,7 +98,7 @@ def row(record: dict) -> str:
     oracle = "–" if record.get("oracle_gain") is None else f"{record['oracle_gain']:+.1f}"
     cells = [shift, " ".join(record["settings"]) or "defaults", seeds_text(record["seeds"]), dice, oracle, seconds,
              met, "; ".join(missed) or "–"]  # fmt: skip
-    return "| " + " | ".join(cells) + " |"
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"  # a "|" in a setting: not a column
 
 
 def summary_table(records: list[dict]) -> str:

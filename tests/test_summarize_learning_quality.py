@@ -129,3 +129,9 @@ def test_a_record_without_its_baselines_dice_is_refused(summary, tmp_path, capsy
     with pytest.raises(SystemExit):
         summary.main([str(path)])
     assert f"{path}: no Dice of the baseline 'oracle+mirror'" in capsys.readouterr().err
+
+
+def test_a_pipe_in_a_setting_stays_in_its_cell(summary):
+    piped = record("default", ['tra_preset={"a": "x|y"}'], [80.0, 80.0, 80.0], {})
+    cells = summary.row(piped).split(" | ")
+    assert cells[1] == 'tra_preset={"a": "x\\|y"}' and len(summary.row(piped).replace("\\|", "").split("|")) == 10
