@@ -631,7 +631,8 @@ def main() -> None:
     from jcsaug.utils import atomic_write_text
 
     name = shift_name(args.shift)
-    about = f"`{json.dumps(changed_aspects(args.shift))}`: {describe_shift(args.shift)}"
+    aspects = changed_aspects(args.shift)
+    about = f"`{json.dumps(aspects)}`: {describe_shift(args.shift)}"
     data, shift = prepare_dataset(args.out, args.shift)
     undone_by = shift["undone_by"]
     common = dict(item.split("=", 1) for item in args.set)
@@ -722,7 +723,7 @@ def main() -> None:
     print("\n" + report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"learning_quality_{name}.md").write_text(report)
-    record = quality_record(name, changed_aspects(args.shift), args, modes, results, checks, oracle_gain)
+    record = quality_record(name, aspects, args, modes, results, checks, oracle_gain)
     atomic_write_text(args.out / f"learning_quality_{name}.json", json.dumps(record, indent=1) + "\n")
     print(f"written: {args.out / f'learning_quality_{name}.md'} (and its .json, read by summarize_learning_quality.py)")
 
