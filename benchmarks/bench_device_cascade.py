@@ -21,6 +21,15 @@ median over the repeats:
 
 Printed: seconds per batch and the ratios per-sample CPU / batched (target on a GPU: >= 10) and MONAI on the
 device / batched. The target is about a GPU; on the CPU the script still runs and prints the ratios.
+
+With ``--counterfactuals K`` (default: the synthetic bundle's ``tra_counterfactuals``; 0 skips it) two more rows,
+the batched cascade with the paired TRA estimator's K copies per sample made (``batched + K copies``) and drawn only
+(``batched, copies drawn only``: what :class:`jcsaug.engine.DeviceAugmentation` with ``counterfactuals_for`` does on
+the iterations without a TRA update), and what that schedule saves per iteration with a TRA update every
+``--update-every`` iterations (default: the bundle's ``tra_update_every``): copies on every batch against copies on
+the update iterations only; and the per-sample CPU path with the same copies (``per-sample CPU + K copies``: the
+DataLoader workers make them for every batch). On the CPU use a patch of the bundle's size: ``--device cpu --size
+32``.
 """
 
 from __future__ import annotations
@@ -30,10 +39,12 @@ import math
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import monai
 import numpy as np
 import torch
+import yaml
 from bench_tra_cascade import KEYS, monai_nnunet_intensity_and_flips  # this folder's nnU-Net pipeline in MONAI
 from monai.data import MetaTensor, list_data_collate
 from monai.transforms import Compose, RandAffined
@@ -41,6 +52,11 @@ from monai.transforms import Compose, RandAffined
 from jcsaug.policy import BatchTRACascaded, ClassGroupd, TRACascaded, make_tra_policy
 
 TARGET_GPU = 10.0
+SYNTHETIC_TRAIN = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
+#: the synthetic bundle's counterfactual copies per sample and TRA update interval (the defaults of the copies' rows)
+SYNTHETIC_COPIES, SYNTHETIC_UPDATE_EVERY = (
+    int(yaml.safe_load(SYNTHETIC_TRAIN.read_text())[key]) for key in ("tra_counterfactuals", "tra_update_every")
+)
 
 
 def make_samples(n: int, size: int, seed: int) -> list[dict]:
@@ -76,7 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--counterfactuals", type=int, default=SYNTHETIC_COPIES, help="K copies per sample (0: none)")
+    parser.add_argument("--update-every", type=int, default=SYNTHETIC_UPDATE_EVERY, help="iterations per TRA update")
     args = parser.parse_args(argv)
+    if args.counterfactuals < 0 or args.update_every < 1:
+        parser.error(f"--counterfactuals must be >= 0 and --update-every >= 1, got {args.counterfactuals} and "
+                     f"{args.update_every}")  # fmt: skip
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,6 +119,15 @@ def main(argv: list[str] | None = None) -> None:
         "per-sample CPU": lambda: [per_sample(dict(s)) for s in samples],
         "MONAI": lambda: [monai_pipe(dict(s)) for s in on_device],
     }
+    copies = args.counterfactuals
+    if copies:
+        with_copies = BatchTRACascaded("image", policy, label_keys="label", device=device, counterfactuals=copies)
+        with_copies.set_random_state(args.seed)
+        runners[f"batched + {copies} copies"] = lambda: with_copies(collated)
+        runners["batched, copies drawn only"] = lambda: with_copies(collated, make_counterfactuals=False)
+        per_sample_copies = TRACascaded("image", policy, label_keys="label", counterfactuals=copies)
+        per_sample_copies.set_random_state(args.seed)
+        runners[f"per-sample CPU + {copies} copies"] = lambda: [per_sample_copies(dict(s)) for s in samples]
     times: dict[str, list[float]] = {k: [] for k in runners}
     names = list(runners)
     for r in range(args.warmup + args.repeats):
@@ -114,11 +144,20 @@ def main(argv: list[str] | None = None) -> None:
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}) | batch {args.batch} x 1 x "
           f"{args.size}³ | {args.repeats} repeats (median), wall clock")  # fmt: skip
     for name in names:
-        print(f"  {name:<16} {s[name]:8.3f} s per batch")
+        print(f"  {name:<26} {s[name]:8.4f} s per batch")
     speedup = s["per-sample CPU"] / s["batched"]
     verdict = ("PASS" if speedup >= TARGET_GPU else "MISS") if device.type == "cuda" else "(target is for a GPU)"
     print(f"  per-sample CPU / batched on {device}: {speedup:.2f}  target >= {TARGET_GPU:g} {verdict}")
     print(f"  MONAI on {device} / batched on {device}: {s['MONAI'] / s['batched']:.2f}")
+    if copies:
+        made, drawn, n = s[f"batched + {copies} copies"], s["batched, copies drawn only"], args.update_every
+        scheduled = (made + (n - 1) * drawn) / n
+        print(f"  {copies} counterfactual copies, a TRA update every {n} iterations: copies on every batch "
+              f"{made:.4f} s per iteration, on the update iterations only {scheduled:.4f} s "
+              f"({made / scheduled:.2f}x faster, {made - scheduled:.4f} s saved per iteration)")  # fmt: skip
+        worker = s[f"per-sample CPU + {copies} copies"] - s["per-sample CPU"]
+        print(f"  the same copies in the DataLoader workers (per-sample CPU, made for every batch): {worker:.4f} s "
+              f"per batch, {worker * (n - 1) / n:.4f} s of it on iterations without a TRA update")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -253,6 +253,73 @@ def test_device_augmentation_feeds_the_trainer_and_the_tra_update() -> None:
     assert updater.updates == 3 and not torch.equal(policy.logits, before)
 
 
+def _with_and_without_copies(make: bool, cascade: str) -> list[dict]:
+    """Two calls of a seeded cascade with two counterfactual copies per sample, the first with
+    ``make_counterfactuals=make``."""
+    policy = make_tra_policy("uniform", num_groups=2)
+    if cascade == "batch":
+        tra = BatchTRACascaded("image", policy, label_keys="label", counterfactuals=2).set_random_state(3)
+        first, second = lesion_batch_for_cascade(0), lesion_batch_for_cascade(1)
+    else:
+        tra = TRACascaded("image", policy, label_keys="label", counterfactuals=2).set_random_state(3)
+        first, second = ({k: v[0] for k, v in lesion_batch_for_cascade(s).items()} for s in (0, 1))
+    return [tra(first, make_counterfactuals=make), tra(second)]
+
+
+def lesion_batch_for_cascade(seed: int) -> dict:
+    from helpers import lesion_batch
+
+    return {k: v.to(DEVICE) for k, v in lesion_batch(4, seed=seed).items()}
+
+
+@pytest.mark.parametrize("cascade", ["batch", "sample"])
+def test_copies_drawn_but_not_made_leave_the_samples_and_the_random_stream_as_they_were(cascade: str) -> None:
+    made, drawn = _with_and_without_copies(True, cascade), _with_and_without_copies(False, cascade)
+    assert {"image_cf", "label_cf", "tra_cf_ops"} <= made[0].keys()
+    assert not {"image_cf", "label_cf", "tra_cf_ops"} & drawn[0].keys()  # not made: no keys
+    for key in ("image", "label", "tra_ops"):  # the samples themselves as with the copies
+        assert torch.equal(torch.as_tensor(made[0][key]), torch.as_tensor(drawn[0][key])), key
+    assert made[1].keys() == drawn[1].keys()  # the next call: the same draws, copies included
+    for key in made[1]:
+        assert torch.equal(torch.as_tensor(made[1][key]), torch.as_tensor(drawn[1][key])), key
+
+
+def _device_run(schedule: bool, start: float) -> tuple[torch.Tensor, list[int], int]:
+    """A paired-TRA run augmenting on the device (updates every 2nd iteration after a warm-up of ``start``):
+    the final logits, the iterations whose batch held copies, the updates made."""
+    from helpers import lesion_batch, tiny_unet, train_engine
+    from jcsaug.engine import DeviceAugmentation, TRAPolicyUpdater
+
+    set_determinism(seed=0)
+    policy = make_tra_policy("uniform", num_groups=2)
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    engine = train_engine(net, opt)
+    updater = TRAPolicyUpdater(policy, net, [lesion_batch(4, seed=99)], opt, lr=0.05, estimator="paired",
+                               update_every=2, start=start)  # fmt: skip
+    cascade = BatchTRACascaded("image", policy, label_keys="label", device=DEVICE, counterfactuals=2)
+    augment = DeviceAugmentation(cascade.set_random_state(0), counterfactuals_for=updater if schedule else None)
+    augment.attach(engine)
+    with_copies = []
+    engine.add_event_handler(
+        Events.ITERATION_STARTED, lambda e: "image_cf" in e.state.batch and with_copies.append(e.state.iteration)
+    )
+    updater.attach(engine)
+    engine.run([lesion_batch(4, seed=i) for i in range(4)], max_epochs=2)
+    set_determinism(None)
+    return policy.logits.detach().clone(), with_copies, updater.updates
+
+
+@pytest.mark.parametrize("start", [0.0, 0.5])
+def test_device_augmentation_makes_copies_for_the_tra_updates_only_and_the_run_is_unchanged(start: float) -> None:
+    logits, with_copies, updates = _device_run(schedule=True, start=start)
+    every_logits, every_batch, every_updates = _device_run(schedule=False, start=start)
+    assert every_batch == list(range(1, 9))
+    assert with_copies == ([2, 4, 6, 8] if start == 0 else [6, 8])  # every 2nd iteration, after the warm-up's 4
+    assert updates == every_updates == len(with_copies)  # none skipped: every update found its copies
+    assert torch.equal(logits, every_logits)  # the same draws, so the same policy trajectory
+
+
 # ---------------------------------------------------------------------------------------------- TEA
 AFFINE_TEA = [op for op in TEA_OPS if op.kind in ("scale", "rotate")]
 

@@ -351,9 +351,16 @@ class PolicyUpdater(ABC):
             return 0.0
         return float(budget / ((1.0 - (steps - 1) / total) ** self.poly_power).sum())  # every term > 0: steps <= total
 
-    def warming_up(self, engine: Engine) -> bool:
-        """Whether the engine's current iteration comes before the first update (see ``start``)."""
-        return bool(self.start) and engine.state.iteration < self._first_iteration(self._total_iterations(engine))
+    def warming_up(self, engine: Engine, iteration: int | None = None) -> bool:
+        """Whether the engine's current iteration (or ``iteration``, 1-based) comes before the first update (see
+        ``start``)."""
+        iteration = engine.state.iteration if iteration is None else iteration
+        return bool(self.start) and iteration < self._first_iteration(self._total_iterations(engine))
+
+    def updates_at(self, engine: Engine, iteration: int) -> bool:
+        """Whether this updater runs an update at the end of the engine's iteration ``iteration`` (1-based): every
+        ``update_every``-th, after the warm-up (an update may still be skipped, e.g. on a non-finite loss)."""
+        return iteration % self.update_every == 0 and not self.warming_up(engine, iteration)
 
     def _first_iteration(self, total_iterations: int) -> int:
         """The first iteration (1-based) that may update the policy: the first after ``start`` of the run."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 from ignite.engine import Engine, Events
@@ -22,6 +23,12 @@ def resolve_augment_on(setting: str, device: torch.device | str) -> str:
     return setting
 
 
+class UpdateSchedule(Protocol):
+    """What :class:`DeviceAugmentation` asks of ``counterfactuals_for`` (a :class:`jcsaug.engine.TRAPolicyUpdater`)."""
+
+    def updates_at(self, engine: Engine, iteration: int) -> bool: ...
+
+
 class DeviceAugmentation:
     """Replace ``engine.state.batch`` by ``transform(batch)`` as soon as the batch is fetched.
 
@@ -33,13 +40,28 @@ class DeviceAugmentation:
 
     ``transform`` is also exposed as :attr:`transform`, so :class:`jcsaug.engine.EpochReseeder` reseeds it
     when given this handler among its ``datasets``.
+
+    Args:
+        transform: the batch transform.
+        counterfactuals_for: the TRA updater that scores the transform's counterfactual copies (the paired
+            estimator; ``BatchTRACascaded(counterfactuals=K)``): the copies are then made only for the batches of
+            the iterations it updates at (``updates_at``), and drawn but not made for the others (every
+            ``update_every``-th iteration but one, a warm-up), so the random stream, and hence the run, is the
+            same as with copies on every batch. ``None`` (default): ``transform(batch)`` on every batch.
     """
 
-    def __init__(self, transform: Callable[[Mapping], Mapping]) -> None:
+    def __init__(self, transform: Callable[..., Mapping], counterfactuals_for: UpdateSchedule | None = None) -> None:
         self.transform = transform
+        self.counterfactuals_for = counterfactuals_for
 
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.GET_BATCH_COMPLETED, self)
 
     def __call__(self, engine: Engine) -> None:
-        engine.state.batch = self.transform(as_batch(engine.state.batch))
+        batch = as_batch(engine.state.batch)
+        if self.counterfactuals_for is None:
+            engine.state.batch = self.transform(batch)
+            return
+        # GET_BATCH_COMPLETED comes before Ignite counts the iteration this batch is for
+        wanted = self.counterfactuals_for.updates_at(engine, engine.state.iteration + 1)
+        engine.state.batch = self.transform(batch, make_counterfactuals=wanted)

@@ -182,7 +182,9 @@ class TRACascaded(Randomizable, MapTransform):
         second = others[int(self.R.randint(len(others)))] if others else op
         return [(series, op), (series, second)]
 
-    def __call__(self, data: Mapping) -> dict:
+    def __call__(self, data: Mapping, make_counterfactuals: bool = True) -> dict:
+        """Augment one sample; ``make_counterfactuals=False`` draws its counterfactual copies (so the random stream
+        goes on as with them) without making them or adding their keys: for samples no TRA update will score."""
         d = dict(data)
         choices, params = self.randomize(d)
         images = {k: d[k] for k in self.key_iterator(d)}
@@ -193,7 +195,7 @@ class TRACascaded(Randomizable, MapTransform):
         labels = {k: d[k] for k in label_keys}
         counterfactuals = self.randomize_counterfactuals(choices, params) if self.counterfactuals else []
         out_images, out_labels = apply_tra(images, labels, params, padding_mode=self.padding_mode)
-        if counterfactuals:
+        if counterfactuals and make_counterfactuals:
             copies = [apply_tra(images, labels, p, padding_mode=self.padding_mode) for _, _, p in counterfactuals]
             for k in (*out_images, *out_labels):
                 # plain tensors: some intensity ops return MetaTensors, and a batch must not mix the two types
@@ -273,7 +275,10 @@ class BatchTRACascaded(TRACascaded):
             params.append(sample_tra_params(c, self.R, self.series))
         return np.stack(choices) if choices else np.zeros((0, len(self.series)), np.int64), params
 
-    def __call__(self, data: Mapping) -> dict:
+    def __call__(self, data: Mapping, make_counterfactuals: bool = True) -> dict:
+        """Augment a batch; ``make_counterfactuals=False`` draws the copies without making them (see
+        :meth:`TRACascaded.__call__`): :class:`jcsaug.engine.DeviceAugmentation` passes it for the batches of
+        iterations without a TRA update."""
         d = dict(data)
         if self.op_key in d:
             raise ValueError(
@@ -296,8 +301,10 @@ class BatchTRACascaded(TRACascaded):
             return x if self.device is None else x.to(self.device, non_blocking=True)
 
         images, label_tensors = {k: to_device(d[k]) for k in image_keys}, {k: to_device(d[k]) for k in labels}
-        if self.counterfactuals:  # after all samples' own draws: the samples themselves are drawn as without copies
-            copies = [self.randomize_counterfactuals(c, p) for c, p in zip(choices, params)]
+        # drawn after all samples' own draws (the samples are drawn as without copies), and drawn even when not made
+        # (the random stream goes on as with them)
+        copies = [self.randomize_counterfactuals(c, p) for c, p in zip(choices, params)] if self.counterfactuals else []
+        if self.counterfactuals and make_counterfactuals:
             k = self.counterfactuals
             cf_images, cf_labels = apply_tra_batch(
                 {key: x.repeat_interleave(k, dim=0) for key, x in images.items()},
