@@ -310,6 +310,16 @@ def _device_run(schedule: bool, start: float) -> tuple[torch.Tensor, list[int], 
     return policy.logits.detach().clone(), with_copies, updater.updates
 
 
+def test_device_augmentation_refuses_copies_on_schedule_for_a_transform_that_cannot_skip_them() -> None:
+    from monai.transforms import Compose
+
+    from jcsaug.engine import DeviceAugmentation
+
+    cascade = BatchTRACascaded("image", make_tra_policy("uniform", num_groups=2), counterfactuals=2)
+    with pytest.raises(TypeError, match="make_counterfactuals.*Compose"):
+        DeviceAugmentation(Compose([cascade]), counterfactuals_for=SimpleNamespace(updates_at=lambda e, i: True))
+
+
 @pytest.mark.parametrize("start", [0.0, 0.5])
 def test_device_augmentation_makes_copies_for_the_tra_updates_only_and_the_run_is_unchanged(start: float) -> None:
     logits, with_copies, updates = _device_run(schedule=True, start=start)

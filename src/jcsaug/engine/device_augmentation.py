@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -21,6 +22,13 @@ def resolve_augment_on(setting: str, device: torch.device | str) -> str:
     if setting == "auto":
         return "device" if torch.device(device).type == "cuda" else "worker"
     return setting
+
+
+def _takes(fn: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: let the call decide
+        return True
 
 
 class UpdateSchedule(Protocol):
@@ -45,12 +53,18 @@ class DeviceAugmentation:
         transform: the batch transform.
         counterfactuals_for: the TRA updater that scores the transform's counterfactual copies (the paired
             estimator; ``BatchTRACascaded(counterfactuals=K)``): the copies are then made only for the batches of
-            the iterations it updates at (``updates_at``), and drawn but not made for the others (every
-            ``update_every``-th iteration but one, a warm-up), so the random stream, and hence the run, is the
-            same as with copies on every batch. ``None`` (default): ``transform(batch)`` on every batch.
+            the iterations it updates at (``updates_at``), and drawn but not made for the others (those between
+            its updates, and a warm-up's), so the random stream, and hence the run, is the same as with copies on
+            every batch. The transform must take ``make_counterfactuals`` (as ``BatchTRACascaded`` does).
+            ``None`` (default): ``transform(batch)`` on every batch.
     """
 
     def __init__(self, transform: Callable[..., Mapping], counterfactuals_for: UpdateSchedule | None = None) -> None:
+        if counterfactuals_for is not None and not _takes(transform, "make_counterfactuals"):
+            raise TypeError(
+                f"DeviceAugmentation(counterfactuals_for=...) needs a transform that takes make_counterfactuals "
+                f"(BatchTRACascaded), got {type(transform).__name__}"
+            )
         self.transform = transform
         self.counterfactuals_for = counterfactuals_for
 
