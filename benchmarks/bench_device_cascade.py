@@ -39,12 +39,11 @@ import math
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import monai
 import numpy as np
 import torch
-import yaml
+from bench_learning_quality import bundle_default  # this folder's reader of the synthetic bundle's settings
 from bench_tra_cascade import KEYS, monai_nnunet_intensity_and_flips  # this folder's nnU-Net pipeline in MONAI
 from monai.data import MetaTensor, list_data_collate
 from monai.transforms import Compose, RandAffined
@@ -52,11 +51,9 @@ from monai.transforms import Compose, RandAffined
 from jcsaug.policy import BatchTRACascaded, ClassGroupd, TRACascaded, make_tra_policy
 
 TARGET_GPU = 10.0
-SYNTHETIC_TRAIN = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
 #: the synthetic bundle's counterfactual copies per sample and TRA update interval (the defaults of the copies' rows)
-SYNTHETIC_COPIES, SYNTHETIC_UPDATE_EVERY = (
-    int(yaml.safe_load(SYNTHETIC_TRAIN.read_text())[key]) for key in ("tra_counterfactuals", "tra_update_every")
-)
+SYNTHETIC_COPIES = int(bundle_default("tra_counterfactuals"))
+SYNTHETIC_UPDATE_EVERY = int(bundle_default("tra_update_every"))
 
 
 def make_samples(n: int, size: int, seed: int) -> list[dict]:
