@@ -43,10 +43,10 @@ import time
 import monai
 import numpy as np
 import torch
-from bench_learning_quality import bundle_default  # this folder's reader of the synthetic bundle's settings
 from bench_tra_cascade import KEYS, monai_nnunet_intensity_and_flips  # this folder's nnU-Net pipeline in MONAI
 from monai.data import MetaTensor, list_data_collate
 from monai.transforms import Compose, RandAffined
+from synthetic_bundle import bundle_default  # this folder's path to the synthetic bundle
 
 from jcsaug.policy import BatchTRACascaded, ClassGroupd, TRACascaded, make_tra_policy
 

@@ -87,16 +87,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "bundles" / "synthetic_lesion" / "configs"
-
-
-def bundle_default(key: str):
-    """The synthetic bundle's own default of ``key`` (read from its ``train.yaml``)."""
-    import yaml
-
-    return yaml.safe_load((CONFIGS / "train.yaml").read_text())[key]
-
+from synthetic_bundle import ROOT, SYNTHETIC_CONFIGS, bundle_default  # this folder's path to the synthetic bundle
 
 #: mode name -> bundle overrides (``oracle`` is filled in from the dataset's metadata)
 MODES: dict[str, dict[str, str]] = {
@@ -312,9 +303,10 @@ def run_bundle(
     """``python -m monai.bundle run`` of the synthetic bundle's ``configs`` (merged in that order) on ``data`` with
     ``output_dir`` ``run_dir``, as a user would launch it, on ``threads`` CPU threads, its output in ``log``; returns
     its exit status."""
-    files = [str(CONFIGS / c) for c in configs]
+    files = [str(SYNTHETIC_CONFIGS / c) for c in configs]
+    meta, logging_conf = (str(SYNTHETIC_CONFIGS / name) for name in ("metadata.json", "logging.conf"))
     args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", files[0] if len(files) == 1 else str(files),
-            "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf"),
+            "--meta_file", meta, "--logging_file", logging_conf,
             "--dataset_dir", str(data), "--output_dir", str(run_dir)]  # fmt: skip
     if device != "auto":
         args += ["--device", f"$torch.device('{device}')"]

@@ -71,6 +71,7 @@ import torch
 from monai.bundle import ConfigParser
 from monai.data import load_decathlon_datalist
 from scipy.stats import spearmanr
+from synthetic_bundle import SYNTHETIC_TRAIN  # this folder's path to the synthetic bundle
 
 from jcsaug.engine.hypergradient import (
     flat_dot,
@@ -96,8 +97,6 @@ from jcsaug.ops.tra import (
 from jcsaug.policy import make_tra_policy
 from jcsaug.policy.categorical import CategoricalPolicy
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
 SCALE = 1e3  #: the scores are printed x SCALE
 IDENTITY = "identity"
 ABSOLUTE = "s(identity)"
@@ -507,7 +506,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--batch", type=int, default=16, help="patches per JVP")
     parser.add_argument("--patch-size", type=int, nargs=3, default=None, help="crop size (default: the config's)")
-    parser.add_argument("--config", type=Path, default=CONFIG, help="the bundle's train.yaml")
+    parser.add_argument("--config", type=Path, default=SYNTHETIC_TRAIN, help="the bundle's train.yaml")
     parser.add_argument("--out", type=Path, default=None, help="also write the table as Markdown here")
     return parser.parse_args(argv)
 

@@ -95,11 +95,11 @@ from pathlib import Path
 import monai
 import numpy as np
 import torch
-import yaml
 from ignite.engine import Engine, Events
 from monai.inferers import SlidingWindowInferer
 from monai.losses import DiceCELoss
 from monai.networks.nets import UNet
+from synthetic_bundle import synthetic_config  # this folder's path to the synthetic bundle
 
 import jcsaug.engine.tea_updater as tea_mod
 import jcsaug.engine.tra_updater as tra_mod
@@ -111,8 +111,7 @@ from jcsaug.policy import CategoricalPolicy, make_tea_policy, make_tra_policy
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 clock = time.process_time  # set from --clock in main()
 BLOCK = 10  # iterations per timed block (= the larger update period, so every N=10 block holds one update)
-SYNTHETIC_TRAIN = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
-SYNTHETIC_CONFIG: dict = yaml.safe_load(SYNTHETIC_TRAIN.read_text())
+SYNTHETIC_CONFIG: dict = synthetic_config()
 #: the synthetic bundle's fixed policy learning rates (``tra_lr``, ``tea_lr``: its runs derive theirs from a logit
 #: budget, which needs a run length; the cost of an update does not depend on the rate)
 TRA_LR, TEA_LR = (float(SYNTHETIC_CONFIG[key]) for key in ("tra_lr", "tea_lr"))
@@ -378,7 +377,7 @@ def synthetic_tra_settings(config: Path | None = None) -> tuple[dict, int, str, 
     """The synthetic bundle's TRA estimator settings as ``TRAPolicyUpdater`` arguments, read from its
     ``train.yaml`` (so that section 5's default row follows the bundle; ``config``: another file), its
     counterfactual copies K, its TRA catalogue (``tra_catalogue``: the policy's ops) and a label."""
-    cfg = SYNTHETIC_CONFIG if config is None else yaml.safe_load(config.read_text())
+    cfg = SYNTHETIC_CONFIG if config is None else synthetic_config(config)
     kwargs = {"estimator": cfg["tra_estimator"], "val_batches": int(cfg["val_batches"]), "val_loss": cfg["val_loss"],
               "lookahead": float(cfg["tra_lookahead"]), "direction": cfg["tra_direction"],
               "hypergradient": cfg["hypergradient"], "step_rule": cfg.get("tra_step", "adam")}  # fmt: skip

@@ -39,6 +39,7 @@ from monai.bundle import ConfigParser
 from monai.data import load_decathlon_datalist
 from monai.transforms import RandCropByPosNegLabeld
 from scipy.stats import spearmanr
+from synthetic_bundle import SYNTHETIC_TRAIN  # this folder's path to the synthetic bundle
 from tqdm.auto import tqdm
 
 from jcsaug.engine import latest_checkpoint, load_checkpoint
@@ -46,8 +47,6 @@ from jcsaug.engine.tea_updater import soft_dice_loss
 from jcsaug.evaluation.segmentation import case_dice
 from jcsaug.inference import NoTTAInferer, TEAInferer
 from jcsaug.ops.tea import TEA_OPS, get_tea_op
-
-CONFIG = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
 
 
 def op_gains(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.Tensor]], sw, num_classes: int,
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     device = torch.device(args.device)
 
     config = ConfigParser()
-    config.read_config(str(CONFIG))
+    config.read_config(str(SYNTHETIC_TRAIN))
     config["dataset_dir"] = str(args.dataset_dir)
     load = config.get_parsed_content("load")
     num_classes = config["num_classes"]

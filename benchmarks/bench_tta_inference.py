@@ -21,12 +21,11 @@ import torch
 from monai.bundle import ConfigParser
 from monai.data import load_decathlon_datalist
 from monai.inferers import SlidingWindowInferer
+from synthetic_bundle import SYNTHETIC_TRAIN  # this folder's path to the synthetic bundle
 
 from jcsaug.engine import latest_checkpoint
 from jcsaug.evaluation import evaluate_cases
 from jcsaug.inference import MirrorTTAInferer, NoTTAInferer, TEAInferer, load_tea_policy
-
-CONFIG = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs" / "train.yaml"
 
 
 def main() -> None:
@@ -37,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
 
     config = ConfigParser()
-    config.read_config(str(CONFIG))
+    config.read_config(str(SYNTHETIC_TRAIN))
     config["dataset_dir"], config["output_dir"] = args.dataset_dir, args.run_dir
     network = config.get_parsed_content("network_def")
     checkpoint = latest_checkpoint(args.run_dir)

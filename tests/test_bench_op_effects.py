@@ -25,7 +25,7 @@ def setup(bench, tmp_path_factory):
     data = root / "data"
     make_synthetic_dataset(data, num_train=2, num_val=2, num_test=1, shape=(32, 32, 32), progress=False)
     torch.manual_seed(0)
-    parser = bench.bundle_config(bench.CONFIG, {"patch_size": PATCH})
+    parser = bench.bundle_config(bench.SYNTHETIC_TRAIN, {"patch_size": PATCH})
     checkpoint = root / "checkpoint.pt"
     torch.save({"network": parser.get_parsed_content("network_def", lazy=False).state_dict()}, checkpoint)
     return data, checkpoint, parser

@@ -46,7 +46,7 @@ def test_section_5_times_the_bundles_own_tra_settings(bench, tmp_path):
 
 def test_the_fixed_policy_learning_rates_are_the_bundles():
     bench = load_benchmark("bench_policy_learning")
-    cfg = yaml.safe_load(bench.SYNTHETIC_TRAIN.read_text())
+    cfg = yaml.safe_load((CONFIGS / "train.yaml").read_text())
     assert (bench.TRA_LR, bench.TEA_LR) == (float(cfg["tra_lr"]), float(cfg["tea_lr"]))
 
 

@@ -72,7 +72,7 @@ def _trained_run(bench, tmp_path):
     from monai.bundle import ConfigParser
 
     config = ConfigParser()
-    config.read_config(str(bench.CONFIG))
+    config.read_config(str(bench.SYNTHETIC_TRAIN))
     torch.manual_seed(0)
     run.mkdir()
     torch.save({"network": config.get_parsed_content("network_def", lazy=False).state_dict()},
