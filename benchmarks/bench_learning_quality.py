@@ -106,9 +106,13 @@ MODES: dict[str, dict[str, str]] = {
     # the oracle with the shift's mirror flips off in background-centred patches / in both groups
     "oracle-flip-off-background+mirror": {"tra_mode": "fixed", "tea_mode": "heuristic"},
     "oracle-flip-off+mirror": {"tra_mode": "fixed", "tea_mode": "heuristic"},
+    # the paper's estimators (the synthetic bundle's docs give the same line), at fixed rates
     "paper": {
         "tra_mode": "class-specific", "tea_mode": "joint", "tra_estimator": "gumbel", "tea_estimator": "gumbel",
-        "tra_logit_budget": "None", "tea_logit_budget": "None", "tra_lr": "0.02", "tea_lr": "0.01",
+        "tra_step": "adam", "tra_lookahead": "1", "tra_direction": "validation", "tra_catalogue": "spec",
+        "val_batches": "1", "num_tea_copies": "10", "tea_patch_size": "None", "tra_poly_power": "0.9",
+        "tea_poly_power": "0.9", "tra_logit_budget": "None", "tea_logit_budget": "None", "tra_lr": "0.02",
+        "tea_lr": "0.01",
     },
     "learned+joint": {"tra_mode": "learned", "tea_mode": "joint"},
     "class-specific+mirror": {"tra_mode": "class-specific", "tea_mode": "heuristic"},

@@ -16,6 +16,7 @@ from monai.networks.nets import UNet
 
 from jcsaug.data import make_synthetic_dataset
 from jcsaug.engine import get_loss
+from jcsaug.engine.losses import per_sample_training_losses
 
 CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs"
 
@@ -80,6 +81,20 @@ def tiny_unet(seed: int = 0) -> torch.nn.Module:
     return UNet(3, 1, 2, channels=(4, 8), strides=(2,), num_res_units=0)
 
 
+class TwoHeadNet(torch.nn.Module):
+    """A deep-supervision network in miniature: in training mode ``(head, aux(head))`` (two full-resolution heads
+    sharing the trunk, as ``NnUNetDynUNet`` returns), in eval mode the first head alone."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.trunk = tiny_unet(seed)
+        self.aux = torch.nn.Conv3d(2, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor):
+        out = self.trunk(x)
+        return (out, self.aux(torch.tanh(out))) if self.training else out
+
+
 def lesion_batch(n: int = 4, size: int = 16, seed: int = 0, tra_policy=None) -> dict:
     """Bright cubes on noise; even samples centred on the lesion (group 1), odd ones on background."""
     rng = np.random.RandomState(seed)
@@ -118,7 +133,7 @@ def train_engine(net: torch.nn.Module, opt: torch.optim.Optimizer, loss: str = "
             return 0.0
         net.train()
         opt.zero_grad()
-        value = loss_fn(net(batch["image"]), batch["label"]).mean()
+        value = per_sample_training_losses(loss_fn, net(batch["image"]), batch["label"]).mean()
         value.backward()
         opt.step()
         return value.item()

@@ -13,9 +13,9 @@ import torch
 from monai.data import list_data_collate
 from monai.utils import set_determinism
 
-from helpers import lesion_batch, tiny_unet, train_engine
+from helpers import TwoHeadNet, lesion_batch, tiny_unet, train_engine
 from jcsaug.engine import AugmentationSetup, StepRule, TEAPolicyUpdater, TRAPolicyUpdater
-from jcsaug.engine.losses import batch_dice_loss
+from jcsaug.engine.losses import batch_dice_loss, chunked_loss
 from jcsaug.engine.paired import OpEffects
 from jcsaug.ops.tra import INTENSITY_FIELDS, TRA_SERIES, TRAParams, apply_tra, replace_series_op, sample_tra_params
 from jcsaug.policy import CategoricalPolicy, ClassGroupd, TRACascaded, make_tea_policy, make_tra_policy
@@ -243,6 +243,16 @@ def test_batch_dice_is_one_dice_over_the_batch():
     torch.testing.assert_close(split, reference, rtol=1e-5, atol=1e-6)  # chunks add up before the ratio
 
 
+def test_ce_plus_batch_dice_is_the_batch_cross_entropy_plus_one_dice_over_the_batch():
+    """The dataset bundles' "DSC+CE" L_val (the reference's): torch's batch cross-entropy + the batch soft Dice,
+    by name and from chunks of a batch."""
+    torch.manual_seed(1)
+    logits, label = torch.randn(4, 3, 6, 6, 6), torch.randint(0, 3, (4, 1, 6, 6, 6))
+    expected = torch.nn.functional.cross_entropy(logits, label[:, 0]) + batch_dice_loss([(logits, label)])
+    chunks = [(logits[:1], label[:1]), (logits[1:], label[1:])]
+    torch.testing.assert_close(chunked_loss("CE+batch-DSC")(chunks), expected, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------- the derivative
 def _counterfactual_batch(n: int, copies: int, seed: int, policy: CategoricalPolicy) -> dict:
     raw = lesion_batch(n, size=12, seed=seed)
@@ -254,19 +264,25 @@ def _counterfactual_batch(n: int, copies: int, seed: int, policy: CategoricalPol
 
 
 @method
-@pytest.mark.parametrize(("hypergradient", "min_cosine"), [("jvp", 0.999), ("finite-difference", 0.99)])
-def test_paired_effects_are_the_derivative_of_the_stepped_validation_loss(hypergradient, min_cosine):
+@pytest.mark.parametrize(
+    ("hypergradient", "min_cosine", "network"),
+    [("jvp", 0.999, tiny_unet), ("finite-difference", 0.99, tiny_unet), ("jvp", 0.999, TwoHeadNet)],
+)
+def test_paired_effects_are_the_derivative_of_the_stepped_validation_loss(hypergradient, min_cosine, network):
     """Each measured effect equals dL_val(theta*)/d(weight of op vs identity on that patch), found by brute force:
-    taking the training step with that pair's weight perturbed and re-evaluating the validation loss."""
+    taking the training step with that pair's weight perturbed and re-evaluating the validation loss. With two
+    deep-supervision heads the step trains on both (weighted) and L_val reads the first alone, as in the bundles."""
     torch.manual_seed(0)
-    net = tiny_unet().double()
+    net = network().double()
     alpha = 0.05
     opt = torch.optim.SGD(net.parameters(), lr=alpha)
     policy = make_tra_policy("nnunet", num_groups=2)
     batch = _counterfactual_batch(4, 3, seed=1, policy=policy)
     val = {k: (v.double() if k == "image" else v) for k, v in lesion_batch(4, size=12, seed=7).items()}
+    # the heads exist in training mode only: the extra passes run in it (tiny_unet has no dropout or BatchNorm)
+    meta_mode = "train" if network is TwoHeadNet else "eval"
     updater = TRAPolicyUpdater(policy, net, [val], opt, lr=0.01, train_loss="ce", val_loss="ce",
-                               hypergradient=hypergradient, estimator="paired")  # fmt: skip
+                               hypergradient=hypergradient, estimator="paired", meta_mode=meta_mode)  # fmt: skip
     measured = {}
     accumulate = updater.effects.accumulate
 
@@ -282,18 +298,21 @@ def test_paired_effects_are_the_derivative_of_the_stepped_validation_loss(hyperg
     assert updater.updates == 1
 
     # brute force: theta*(delta) = theta - alpha grad [L_train + delta (l_op - l_identity)], then L_val(theta*(delta))
-    from jcsaug.engine.losses import per_sample_ce
+    from jcsaug.engine.losses import per_sample_ce, per_sample_training_losses
 
     cf_ops = batch["tra_cf_ops"]
     n, k = cf_ops.shape[:2]
 
+    def train_losses(model, image, label):
+        return per_sample_training_losses(per_sample_ce, model(image), label)
+
     def val_loss_after_step(i: int, j: int, delta: float) -> float:
-        model = tiny_unet().double()
+        model = network().double()
         model.load_state_dict(theta)
         params = list(model.parameters())
-        loss = per_sample_ce(model(batch["image"]), batch["label"]).mean()
-        main = per_sample_ce(model(batch["image"][i : i + 1]), batch["label"][i : i + 1])[0]
-        copy = per_sample_ce(model(batch["image_cf"][i, j : j + 1]), batch["label_cf"][i, j : j + 1])[0]
+        loss = train_losses(model, batch["image"], batch["label"]).mean()
+        main = train_losses(model, batch["image"][i : i + 1], batch["label"][i : i + 1])[0]
+        copy = train_losses(model, batch["image_cf"][i, j : j + 1], batch["label_cf"][i, j : j + 1])[0]
         op_minus_identity = copy - main if int(cf_ops[i, j, 1]) != 0 else main - copy
         grads = torch.autograd.grad(loss + delta * op_minus_identity, params)
         with torch.no_grad():

@@ -12,6 +12,7 @@ import torch
 from jcsaug.cli import COMMANDS
 from jcsaug.engine import get_hypergradient, get_loss, list_hypergradients, list_losses, register_hypergradient
 from jcsaug.engine.hypergradient import HYPERGRADIENTS
+from jcsaug.engine.losses import chunked_loss
 from jcsaug.policy import (
     get_tea_preset,
     get_tra_preset,
@@ -157,7 +158,8 @@ def test_every_task_carries_its_bundle_facts(name):
     for network, fractions in spec.paper_settings.items():
         get_network(network)
         for fraction, (val_loss, beta) in fractions.items():
-            get_loss(val_loss)
+            chunked_loss(val_loss)  # a validation loss by name, per-sample or over the batch
+            assert val_loss in {"ce", "batch-dice", "ce+batch-dice"}, (name, network, val_loss)  # the reference's
             assert spec.paper_setting(network, fraction) == (val_loss, beta) and beta > 0
 
 

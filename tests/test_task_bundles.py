@@ -155,6 +155,25 @@ def test_every_merged_config_parses_with_the_task_facts(task):
             assert "run" in parser and parser.get_parsed_content("dataset_dir") == f"data/{task}"
 
 
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_patch_centres_fall_half_on_background_as_the_reference_samples_them(task):
+    """REFERENCE_CODE_NOTES §1: half of a case's patches are centred on background, half on a foreground class
+    drawn uniformly; for the training and the validation crop. Then the class groups (background / foreground
+    centre) are equal in expectation whatever the number of classes (equal ratios would give BTCV's background
+    1/14 of the patches)."""
+    classes = get_task(task).num_classes
+    parser = _parser(task)
+    for crop_id in ("random_crop", "val_random_crop"):
+        (index,) = [i for i, t in enumerate(parser[crop_id]) if t["_target_"] == "RandCropByLabelClassesd"]
+        ratios = parser.get_parsed_content(f"{crop_id}#{index}#ratios")  # alone: the rest needs prepared data
+        assert ratios is not None, crop_id
+        ratios = [float(r) for r in ratios]
+        share = [r / sum(ratios) for r in ratios]
+        assert len(share) == classes, (crop_id, ratios)
+        assert share[0] == pytest.approx(0.5), (crop_id, ratios)
+        assert share[1:] == pytest.approx([0.5 / (classes - 1)] * (classes - 1)), (crop_id, ratios)
+
+
 def test_every_bundle_evaluates_with_its_reported_classes():
     """Defect 4: the evaluation (train.yaml and the shared evaluate.yaml) gets the task's report_classes, so
     metrics.json has e.g. the KiTS tumour Dice; the synthetic bundle, which shares evaluate.yaml, has none."""

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp
 
-from jcsaug.engine.losses import PerSampleLoss, main_output
+from jcsaug.engine.losses import PerSampleLoss, per_sample_training_losses
 from jcsaug.registry import Registry
 
 
@@ -102,8 +102,9 @@ def losses_at(
     label: torch.Tensor,
     loss_fn: PerSampleLoss,
 ) -> torch.Tensor:
-    """Per-sample training losses ``[n]`` of ``model`` evaluated at ``params`` (with ``buffers``)."""
-    return loss_fn(main_output(call_with(model, {**params, **buffers}, image)), label)
+    """Per-sample training losses ``[n]`` of ``model`` evaluated at ``params`` (with ``buffers``); the heads of a
+    deep-supervision output weighted as the model's training loss weights them (:func:`per_sample_training_losses`)."""
+    return per_sample_training_losses(loss_fn, call_with(model, {**params, **buffers}, image), label)
 
 
 def finite_difference_hypergradient(
@@ -169,7 +170,7 @@ def training_gradient(
     """The gradient of the batch's mean training loss with respect to the model's trainable parameters, at their
     present values (zeros for a parameter the loss does not reach)."""
     params = trainable_parameters(model)
-    loss = loss_fn(main_output(model(image)), label).mean()
+    loss = per_sample_training_losses(loss_fn, model(image), label).mean()
     if not torch.isfinite(loss):
         raise FloatingPointError("non-finite training loss")
     grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)

@@ -87,9 +87,17 @@ def batch_dice_loss(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Te
     return (1.0 - (2.0 * inter + 1e-5) / (total + 1e-5)).mean()
 
 
-#: name -> validation loss over a whole batch (a list of same-shape chunks) -> scalar
+def ce_batch_dice_loss(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Cross-entropy (the mean over the batch's samples) plus :func:`batch_dice_loss`: the reference code's
+    ``CE + Dice`` validation loss."""
+    ce = sum(per_sample_ce(logits, label).sum() for logits, label in chunks) / sum(y.shape[0] for _, y in chunks)
+    return ce + batch_dice_loss(chunks)
+
+
+#: name -> validation loss over a whole batch (a list of same-shape chunks) -> scalar. The dataset bundles' L_val:
+#: the paper's "DSC" and "DSC+CE" are these (its code's soft Dice is one Dice over the batch)
 BATCH_LOSSES: Registry[Callable[[list[tuple[torch.Tensor, torch.Tensor]]], torch.Tensor]] = Registry(
-    "validation batch loss", {"batch-dice": batch_dice_loss}, normalise=_loss_key
+    "validation batch loss", {"batch-dice": batch_dice_loss, "ce+batch-dice": ce_batch_dice_loss}, normalise=_loss_key
 )
 
 
@@ -112,9 +120,22 @@ def chunked_loss(name: str | PerSampleLoss) -> ChunkedLoss:
     return lambda chunks: sum(per_sample(out, y).sum() for out, y in chunks) / sum(y.shape[0] for _, y in chunks)
 
 
+def per_sample_training_losses(loss_fn: PerSampleLoss, pred: torch.Tensor | list | tuple, label: torch.Tensor):
+    """Per-sample training losses ``[B]`` of a network output: the heads of a deep-supervision output (a list or
+    tuple of full-resolution heads) summed with nnU-Net's weights 1, 1/2, 1/4, ... normalised to 1, a plain output
+    as it is. The one definition :class:`SegmentationLoss` (the model's step) and the TRA's hypergradients (the
+    losses at theta+-) share, as the reference's per-sample training loss sums the heads too."""
+    if isinstance(pred, (list, tuple)):
+        weights = deep_supervision_weights(len(pred))
+        return sum(w * loss_fn(head, label) for w, head in zip(weights, pred))
+    return loss_fn(main_output(pred), label)
+
+
 class SegmentationLoss(torch.nn.Module):
     """The model's training loss by name (``ce``, ``dice``, ``ce+dice``): the batch mean of the same per-sample
-    loss the policy updates use, so training and hypergradients agree.
+    losses the policy updates use (:func:`per_sample_training_losses`), so training and hypergradients agree. (A
+    deep-supervision network gives its heads in training mode only: with the TRA's extra passes in eval mode,
+    ``TRAPolicyUpdater(meta_mode="eval")``, the default, they score its main head alone.)
 
     Deep-supervision outputs (a tuple of full-resolution heads, as :class:`jcsaug.networks.NnUNetDynUNet` returns
     in training mode) are summed with nnU-Net's weights 1, 1/2, 1/4, ... normalised to 1. MONAI's
@@ -128,6 +149,4 @@ class SegmentationLoss(torch.nn.Module):
         self.per_sample = get_loss(name)
 
     def forward(self, pred: torch.Tensor | list | tuple, label: torch.Tensor) -> torch.Tensor:
-        heads = list(pred) if isinstance(pred, (list, tuple)) else [pred]
-        weights = deep_supervision_weights(len(heads))
-        return sum(w * self.per_sample(h, label).mean() for w, h in zip(weights, heads))
+        return per_sample_training_losses(self.per_sample, pred, label).mean()

@@ -130,7 +130,8 @@ class TRAPolicyUpdater(PolicyUpdater):
         train_loss: per-sample training loss (name in ``ce``/``dice``/``ce+dice`` or a callable); should
             match the loss the trainer minimises.
         val_loss: L_val by name (``ce``, ``dice`` — the mean of per-sample soft Dice losses —, ``ce+dice``,
-            ``batch-dice`` — one soft Dice over the whole validation batch, as the reference code) or callable.
+            ``batch-dice`` — one soft Dice over the whole validation batch, as the reference code —,
+            ``ce+batch-dice``) or callable.
         hypergradient: estimator name (:func:`~jcsaug.engine.hypergradient.list_hypergradients`):
             ``"finite-difference"`` (DARTS, the paper's), ``"jvp"`` (exact, forward-mode) or ``"equal-norm"``
             (beyond the paper, a research setting: each sample's gradient rescaled to the batch's mean length, so
@@ -146,7 +147,9 @@ class TRAPolicyUpdater(PolicyUpdater):
         meta_mode: ``"eval"`` runs the extra passes with the network in eval mode (deterministic
             dropout, BatchNorm's running statistics); ``"train"`` in training mode (dropout, BatchNorm's batch
             statistics), with the same dropout masks at ``theta + eps v`` and ``theta - eps v`` and the network's
-            buffers (BatchNorm's running statistics) put back as they were after the update.
+            buffers (BatchNorm's running statistics) put back as they were after the update. Only ``"train"``
+            scores a deep-supervision network's heads weighted as its training loss weights them (in eval mode it
+            gives its main head alone).
         prepare_batch: ``(batch, device) -> (image, label)``.
         mask_undrawn: ops that no sample of a class group drew keep their logits and Adam state (see
             :meth:`PolicyUpdater.step`); ``False`` keeps the plain Gumbel-softmax gradient (``"gumbel"`` only).

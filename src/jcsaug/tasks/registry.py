@@ -2,7 +2,10 @@
 
 Everything the bundles need to know about a task lives here, in its :class:`TaskSpec`: classes, spacing, raw
 layout, split rule, and the paper's training settings (L_val and beta per network and training fraction, patch
-sizes, epochs, whether the final models train on training + validation cases).
+sizes, epochs, whether the final models train on training + validation cases). The paper's L_val "DSC" is
+``batch-dice`` and "DSC+CE" ``ce+batch-dice``: its code's soft Dice is one Dice over the validation batch's
+foreground classes (REFERENCE_CODE_NOTES §2.3), not the mean of per-patch Dice (``dice``), which would score each
+background-centred patch on its few foreground voxels.
 """
 
 from __future__ import annotations
@@ -101,9 +104,9 @@ for _spec in (
         single_component_classes=(),  # stroke lesions: often several per brain
         source="https://fcon_1000.projects.nitrc.org/indi/retro/atlas.html (ATLAS R2.0, after accepting the terms)",
         paper_settings={
-            "deepmedic": {0.5: ("dice", 1e-3), 1.0: ("dice", 2e-3)},
-            "unet3d": {0.5: ("dice", 5e-4), 1.0: ("ce", 1e-3)},
-            "transformer": {0.5: ("dice", 1e-3)},
+            "deepmedic": {0.5: ("batch-dice", 1e-3), 1.0: ("batch-dice", 2e-3)},
+            "unet3d": {0.5: ("batch-dice", 5e-4), 1.0: ("ce", 1e-3)},
+            "transformer": {0.5: ("batch-dice", 1e-3)},
         },
     ),
     TaskSpec(
@@ -120,8 +123,8 @@ for _spec in (
         single_component_classes=(),  # "kidney" is both kidneys; tumours may be multifocal
         source="https://github.com/neheller/kits19 (python -m starter_code.get_imaging)",
         paper_settings={
-            "deepmedic": {0.5: ("dice", 1e-3), 1.0: ("dice", 1e-3)},
-            "unet3d": {0.5: ("ce+dice", 5e-4), 1.0: ("ce", 5e-4)},
+            "deepmedic": {0.5: ("batch-dice", 1e-3), 1.0: ("batch-dice", 1e-3)},
+            "unet3d": {0.5: ("ce+batch-dice", 5e-4), 1.0: ("ce", 5e-4)},
             "transformer": {0.5: ("ce", 2e-3)},
         },
         max_epochs=2000,  # the paper: KiTS needed more iterations to converge
@@ -142,7 +145,7 @@ for _spec in (
         # portal vein (thin vessels and glands may still be split at 3.2 mm slices: check on validation cases)
         single_component_classes=tuple(range(1, 14)),
         source="https://www.synapse.org/#!Synapse:syn3193805 (Synapse account, join the challenge)",
-        paper_settings={"deepmedic": {1.0: ("ce", 2e-3)}, "unet3d": {1.0: ("dice", 5e-4)}},
+        paper_settings={"deepmedic": {1.0: ("ce", 2e-3)}, "unet3d": {1.0: ("batch-dice", 5e-4)}},
     ),
     TaskSpec(
         name="prostate_crosssite",
@@ -207,7 +210,7 @@ for _spec in (
         report_classes={"AVG": (1, 2, 3), "LV": (1,), "MYO": (2,), "RV": (3,)},  # the paper's columns
         single_component_classes=(1, 2, 3),  # LV blood pool, myocardium (a ring, one structure), RV blood pool
         source="https://www.ub.edu/mnms/ (registration)",
-        paper_settings={"unet3d": {1.0: ("dice", 5e-4)}},
+        paper_settings={"unet3d": {1.0: ("batch-dice", 5e-4)}},
         patch_sizes=CARDIAC_PATCHES,
     ),
 ):
