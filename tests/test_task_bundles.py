@@ -155,23 +155,36 @@ def test_every_merged_config_parses_with_the_task_facts(task):
             assert "run" in parser and parser.get_parsed_content("dataset_dir") == f"data/{task}"
 
 
+#: the reference's samplers (REFERENCE_CODE_NOTES §1, DATASETS.md §7): the U-Net's (sampling_Unet.py, also the
+#: transformer's) centres half the patches on background, DeepMedic's (sampling_DM.py) equal numbers per class
+REFERENCE_BACKGROUND_SHARE = {"unet3d": lambda c: 0.5, "transformer": lambda c: 0.5, "deepmedic": lambda c: 1 / c}
+
+
 @pytest.mark.parametrize("task", TASK_NAMES)
-def test_patch_centres_fall_half_on_background_as_the_reference_samples_them(task):
-    """REFERENCE_CODE_NOTES §1: half of a case's patches are centred on background, half on a foreground class
-    drawn uniformly; for the training and the validation crop. Then the class groups (background / foreground
-    centre) are equal in expectation whatever the number of classes (equal ratios would give BTCV's background
-    1/14 of the patches)."""
+def test_patch_centres_fall_on_classes_as_the_reference_samples_them(task):
+    """For the training and the validation crop, every network: background's share of the patch centres is the
+    reference sampler's, the foreground classes share the rest equally (equal ratios for every network would give
+    the U-Net's background-centred group 1/14 of BTCV's patches)."""
     classes = get_task(task).num_classes
-    parser = _parser(task)
-    for crop_id in ("random_crop", "val_random_crop"):
-        (index,) = [i for i, t in enumerate(parser[crop_id]) if t["_target_"] == "RandCropByLabelClassesd"]
-        ratios = parser.get_parsed_content(f"{crop_id}#{index}#ratios")  # alone: the rest needs prepared data
-        assert ratios is not None, crop_id
-        ratios = [float(r) for r in ratios]
-        share = [r / sum(ratios) for r in ratios]
-        assert len(share) == classes, (crop_id, ratios)
-        assert share[0] == pytest.approx(0.5), (crop_id, ratios)
-        assert share[1:] == pytest.approx([0.5 / (classes - 1)] * (classes - 1)), (crop_id, ratios)
+    assert set(REFERENCE_BACKGROUND_SHARE) == set(list_networks())
+    for network, background in REFERENCE_BACKGROUND_SHARE.items():
+        parser = _parser(task, network=network)
+        for crop_id in ("random_crop", "val_random_crop"):
+            (index,) = [i for i, t in enumerate(parser[crop_id]) if t["_target_"] == "RandCropByLabelClassesd"]
+            ratios = parser.get_parsed_content(f"{crop_id}#{index}#ratios")  # alone: the rest needs prepared data
+            assert ratios is not None, (network, crop_id)
+            share = [float(r) / sum(ratios) for r in ratios]
+            assert len(share) == classes, (network, crop_id, ratios)
+            assert share[0] == pytest.approx(background(classes)), (network, crop_id, ratios)
+            rest = (1 - background(classes)) / (classes - 1)
+            assert share[1:] == pytest.approx([rest] * (classes - 1)), (network, crop_id, ratios)
+
+
+def test_centre_class_ratios_name_a_task_without_foreground():
+    with pytest.raises(ValueError, match="num_classes must be >= 2"):
+        get_network("unet3d").centre_class_ratios(1)
+    assert get_network("unet3d").centre_class_ratios(3) == [0.5, 0.25, 0.25]
+    assert get_network("deepmedic").centre_class_ratios(3) == [1.0, 1.0, 1.0]
 
 
 def test_every_bundle_evaluates_with_its_reported_classes():

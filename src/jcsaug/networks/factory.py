@@ -261,6 +261,9 @@ class NetworkSpec:
         patch_sizes: ``(network, patch_size) -> (input_size, output_size)`` for networks whose logits cover less
             than their input (DeepMedic); ``None`` = the output covers the input patch.
         inferer: ``(network, patch_size, **options) -> Inferer`` tiling whole volumes.
+        background_centres: the share of training patches centred on background, as the reference's sampler of
+            this network draws them (:meth:`centre_class_ratios`): ``0.5`` (the U-Net's: half on background, half
+            on a foreground class drawn uniformly) or ``None`` (DeepMedic's: equal numbers per class).
     """
 
     name: str
@@ -272,6 +275,7 @@ class NetworkSpec:
     uses_spacing: bool = False
     patch_sizes: Callable[[nn.Module, SizeLike], tuple[tuple[int, ...], tuple[int, ...]]] | None = None
     inferer: Callable[..., Inferer] = sliding_window_inferer
+    background_centres: float | None = 0.5
 
     def make(
         self,
@@ -298,6 +302,19 @@ class NetworkSpec:
         with torch.device("meta"):
             return self.sizes(self.make(1, 2, patch_size, **kwargs), patch_size)
 
+    def centre_class_ratios(self, num_classes: int) -> list[float]:
+        """Ratios of the classes of training patch centres (background first; MONAI
+        ``RandCropByLabelClassesd(ratios=...)``): background at :attr:`background_centres`, the foreground classes
+        sharing the rest equally; equal ratios where it is ``None``."""
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2 (background and a foreground class), got {num_classes}")
+        if self.background_centres is None:
+            return [1.0] * num_classes
+        if not 0.0 < self.background_centres < 1.0:
+            raise ValueError(f"{self.name}: background_centres must be in (0, 1), got {self.background_centres}")
+        foreground = (1.0 - self.background_centres) / (num_classes - 1)
+        return [self.background_centres] + [foreground] * (num_classes - 1)
+
     def make_inferer(self, network: nn.Module, patch_size: SizeLike, **options) -> Inferer:
         """The whole-volume inferer for ``network`` (DDP-wrapped or not)."""
         return self.inferer(getattr(network, "module", network), patch_size, **options)
@@ -315,7 +332,7 @@ register_network, get_network, list_networks = NETWORKS.register, NETWORKS.get, 
 register_network(
     NetworkSpec(
         "deepmedic", build_deepmedic, train_loss="ce", tea_z=4, tra_preset="deepmedic", default_patch=(37, 37, 37),
-        patch_sizes=_deepmedic_sizes, inferer=deepmedic_inferer,
+        patch_sizes=_deepmedic_sizes, inferer=deepmedic_inferer, background_centres=None,
     )
 )  # fmt: skip
 register_network(NetworkSpec("unet3d", build_unet3d, uses_spacing=True))
