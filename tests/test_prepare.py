@@ -182,7 +182,7 @@ def test_prostate_label_geometry_is_copied_from_the_image(prepared):
     assert (data / "labels" / "I2CVB_Case01.nii.gz").is_file()
 
 
-@pytest.mark.parametrize("task", TASK_NAMES)
+@pytest.mark.parametrize("task", [t for t in TASK_NAMES if not get_task(t).binarise_labels])  # prostate: below
 def test_label_values_outside_the_classes_are_named(tmp_path, task):
     raw = make_fake_raw(task, tmp_path / "raw")
     key, _, label = _first_labelled(task, raw)
@@ -320,6 +320,39 @@ def test_integer_images_keep_their_values(tmp_path, dtype, lo, hi, stored):
     assert out.min() == lo and out.max() == hi
     if stored != np.float32:  # exact, voxel for voxel (same grid)
         np.testing.assert_array_equal(out.astype(np.int64), image.astype(np.int64))
+
+
+def test_prostate_masks_are_binarised_as_the_reference_does(tmp_path):
+    """DATASETS.md: prostate is > 0 and some masks carry values above 1 (the reference code binarises > 0): every
+    positive value becomes class 1; a negative value is refused, naming the case and file."""
+    image = np.ones((12, 10, 8), np.float32)
+    label = np.zeros(image.shape, np.int16)
+    label[4:8, 4:7, 3:5] = 1
+    label[2, 2, 2], label[3, 3, 3], label[9, 9, 7] = 2, 3, 255
+    record = prepare_module.prepare_case(get_task("prostate_crosssite"), _one_case(tmp_path, image, label), tmp_path)
+    out = np.asarray(nib.load(str(tmp_path / record["label"])).dataobj)
+    np.testing.assert_array_equal(out, (label > 0).astype(out.dtype))
+    label[0, 0, 0] = -1
+    (tmp_path / "negative").mkdir()
+    case = _one_case(tmp_path / "negative", image, label)
+    with pytest.raises(PrepareError, match=r"label values \[-1\] .* not classes of prostate_crosssite"):
+        prepare_module.prepare_case(get_task("prostate_crosssite"), case, tmp_path / "out")
+
+
+def test_prostate_sites_are_found_under_their_older_folder_names(tmp_path):
+    """DATASETS.md names I2CVB also HCRUDB and BMC ISBI_1.5: those folders are read, with the same case ids."""
+    from jcsaug.tasks.layouts import find_prostate
+
+    raw = make_fake_raw("prostate_crosssite", tmp_path / "raw")
+    expected = [(c.case_id, c.image.name, c.domain) for c in find_prostate(raw)]
+    (raw / "BMC").rename(raw / "ISBI_1.5")
+    (raw / "I2CVB").rename(raw / "HCRUDB")
+    found = find_prostate(raw)
+    assert [(c.case_id, c.image.name, c.domain) for c in found] == expected
+    assert {c.image.parent.name for c in found} == {"ISBI_1.5", "HCRUDB"}
+    shutil.rmtree(raw / "HCRUDB")
+    with pytest.raises(PrepareError, match="I2CVB or HCRUDB"):
+        find_prostate(raw)
 
 
 def test_nan_label_voxels_are_named(tmp_path):

@@ -102,16 +102,26 @@ def find_btcv(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
 
 
 PROSTATE_SOURCE, PROSTATE_TARGET = "BMC", "I2CVB"
+#: other names of the sites' folders (older SAML lists, DATASETS.md), read where the site's own name is absent
+PROSTATE_SITE_ALIASES = {PROSTATE_SOURCE: ("ISBI_1.5",), PROSTATE_TARGET: ("HCRUDB",)}
+
+
+def _prostate_site_folder(raw_dir: Path, site: str) -> Path:
+    """The folder of ``site``: its name, else the first of its older names present (the case ids keep ``site``)."""
+    for name in (site, *PROSTATE_SITE_ALIASES[site]):
+        if (raw_dir / name).is_dir():
+            return raw_dir / name
+    names = " or ".join((site, *PROSTATE_SITE_ALIASES[site]))
+    raise PrepareError(f"site folder {raw_dir / site} missing ({names}): expected {raw_dir}/{site}/CaseNN.nii.gz")
 
 
 def find_prostate(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
     """Multi-site prostate: ``<SITE>/CaseNN.nii.gz`` + ``CaseNN_segmentation.nii.gz`` (BMC: ``_Segmentation``);
-    the paper's source site BMC (A) and target site I2CVB (B)."""
+    the paper's source site BMC (A) and target site I2CVB (B), also read under their older folder names
+    (:data:`PROSTATE_SITE_ALIASES`)."""
     cases = []
     for site in (PROSTATE_SOURCE, PROSTATE_TARGET):
-        folder = raw_dir / site
-        if not folder.is_dir():
-            raise PrepareError(f"site folder {folder} missing: expected {raw_dir}/{{BMC,I2CVB}}/CaseNN.nii.gz")
+        folder = _prostate_site_folder(raw_dir, site)
         for image in sorted(folder.glob("Case*" + NII)):
             if "egmentation" in image.name:
                 continue

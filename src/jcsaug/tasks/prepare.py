@@ -85,7 +85,10 @@ def _classes(label: np.ndarray, spec: TaskSpec, case_id: str, path: Path) -> np.
     values = np.unique(label)
     unknown = [int(v) for v in values if spec.class_of(int(v)) is None]
     if unknown:
-        allowed = sorted(spec.label_map) if spec.label_map is not None else sorted(spec.labels)
+        if spec.binarise_labels:
+            allowed = "0 and positive values"
+        else:
+            allowed = sorted(spec.label_map) if spec.label_map is not None else sorted(spec.labels)
         raise PrepareError(
             f"case {case_id}: label values {unknown} in {path} are not classes of {spec.name} (allowed: {allowed})"
         )

@@ -165,7 +165,7 @@ for _spec in (
         ),
         report_classes={"prostate": (1,)},
         single_component_classes=(1,),
-        label_map={0: 0, 1: 1, 2: 1},  # some masks contain 2 (SAML maps 2 -> 1)
+        binarise_labels=True,  # some masks contain 2 or more (SAML maps 2 -> 1; the reference code binarises > 0)
         copy_image_geometry_to_label=True,
         source="https://liuquande.github.io/SAML/ (Processed_data_nii)",
         paper_settings={"deepmedic": {1.0: ("ce", 5e-4)}, "unet3d": {1.0: ("ce", 5e-4)}},

@@ -59,6 +59,8 @@ class TaskSpec:
         orientation: axis codes to reorient to (``"RAS"``), or ``None`` to keep the stored voxel axes (oblique
             cardiac short-axis stacks, whose slice axis must stay the last one).
         label_map: raw label value -> class; values outside it are errors. ``None``: values must be classes.
+        binarise_labels: every positive raw value is class 1 (a two-class task whose masks carry other positive
+            values, as the reference code binarises ``> 0``); negative values stay errors. Excludes ``label_map``.
         find_cases: lists the raw cases (see :data:`CaseFinder`); ``layout`` describes what it expects.
         assign_splits: the paper's split rule (see :data:`SplitRule`).
         report_classes: named foreground class subsets the paper reports (``{"tumour": (2,)}``), its headline
@@ -93,6 +95,7 @@ class TaskSpec:
     assign_splits: SplitRule
     report_classes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     label_map: Mapping[int, int] | None = None
+    binarise_labels: bool = False
     foreground_splits: tuple[str, ...] = ("training", "validation")
     copy_image_geometry_to_label: bool = False
     source: str = ""
@@ -104,6 +107,8 @@ class TaskSpec:
     single_component_classes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.binarise_labels and (self.label_map is not None or len(self.labels) != 2):
+            raise ValueError(f"task {self.name!r}: binarise_labels is for two classes and without a label_map")
         if any(s <= 0 for s in self.spacing) and self.nominal_spacing is None:
             raise ValueError(f"task {self.name!r} keeps an axis' spacing: give nominal_spacing to plan networks with")
         for subset, classes in self.report_classes.items():
@@ -146,6 +151,8 @@ class TaskSpec:
 
     def class_of(self, raw_value: int) -> int | None:
         """Class of a raw label value, or ``None`` if the task has no such value."""
+        if self.binarise_labels:
+            return None if int(raw_value) < 0 else int(int(raw_value) > 0)
         if self.label_map is not None:
             return self.label_map.get(int(raw_value))
         return int(raw_value) if int(raw_value) in self.labels else None
