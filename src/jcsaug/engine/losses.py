@@ -120,7 +120,9 @@ def chunked_loss(name: str | PerSampleLoss) -> ChunkedLoss:
     return lambda chunks: sum(per_sample(out, y).sum() for out, y in chunks) / sum(y.shape[0] for _, y in chunks)
 
 
-def per_sample_training_losses(loss_fn: PerSampleLoss, pred: torch.Tensor | list | tuple, label: torch.Tensor):
+def per_sample_training_losses(
+    loss_fn: PerSampleLoss, pred: torch.Tensor | list | tuple, label: torch.Tensor
+) -> torch.Tensor:
     """Per-sample training losses ``[B]`` of a network output: the heads of a deep-supervision output (a list or
     tuple of full-resolution heads) summed with nnU-Net's weights 1, 1/2, 1/4, ... normalised to 1, a plain output
     as it is. The one definition :class:`SegmentationLoss` (the model's step) and the TRA's hypergradients (the
