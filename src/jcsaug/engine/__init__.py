@@ -10,6 +10,7 @@ from jcsaug.engine.checkpoints import (
     read_checkpoint,
     save_checkpoint_atomic,
 )
+from jcsaug.engine.clipping import GradientClipping
 from jcsaug.engine.device_augmentation import AUGMENT_ON, DeviceAugmentation, resolve_augment_on
 from jcsaug.engine.distributed import rank_device, release_ddp, shutdown_distributed
 from jcsaug.engine.divergence import StopOnNonFiniteLoss, TrainingDiverged
@@ -84,6 +85,7 @@ __all__ = [
     "nonfinite_entries",
     "read_checkpoint",
     "StopOnNonFiniteLoss",
+    "GradientClipping",
     "TrainingDiverged",
     "PreflightError",
     "check_data",

@@ -238,6 +238,10 @@ def _identity_weight(value: Any) -> str | None:
     return None if value is None or (_finite(value) and 0 < value < 1) else "must be a number in (0, 1), or None"
 
 
+def _optional_positive(value: Any) -> str | None:
+    return None if value is None or (_finite(value) and value > 0) else "must be a finite number > 0, or None"
+
+
 def _optional_patch_size(value: Any) -> str | None:
     reason = None if value is None else _patch_size(value)
     return reason and f"{reason}, or None"
@@ -356,6 +360,7 @@ def _validators() -> dict[str, Any]:
         "tea_identity_weight": _identity_weight,
         "patch_size": _patch_size,
         "tea_patch_size": _optional_patch_size,
+        "grad_clip_norm": _optional_positive,
         "tra_preset": _tra_preset,
         "tea_preset": _tea_preset,
         "train_fraction": _train_fraction,

@@ -264,6 +264,8 @@ class NetworkSpec:
         background_centres: the share of training patches centred on background, as the reference's sampler of
             this network draws them (:meth:`centre_class_ratios`): ``0.5`` (the U-Net's: half on background, half
             on a foreground class drawn uniformly) or ``None`` (DeepMedic's: equal numbers per class).
+        grad_clip_norm: the training step's gradient-norm clip (:class:`jcsaug.engine.GradientClipping`): 12 for
+            the U-Nets (nnU-Net's, the reference's), ``None`` for DeepMedic (the reference does not clip it).
     """
 
     name: str
@@ -276,6 +278,7 @@ class NetworkSpec:
     patch_sizes: Callable[[nn.Module, SizeLike], tuple[tuple[int, ...], tuple[int, ...]]] | None = None
     inferer: Callable[..., Inferer] = sliding_window_inferer
     background_centres: float | None = 0.5
+    grad_clip_norm: float | None = 12.0
 
     def make(
         self,
@@ -332,7 +335,7 @@ register_network, get_network, list_networks = NETWORKS.register, NETWORKS.get, 
 register_network(
     NetworkSpec(
         "deepmedic", build_deepmedic, train_loss="ce", tea_z=4, tra_preset="deepmedic", default_patch=(37, 37, 37),
-        patch_sizes=_deepmedic_sizes, inferer=deepmedic_inferer, background_centres=None,
+        patch_sizes=_deepmedic_sizes, inferer=deepmedic_inferer, background_centres=None, grad_clip_norm=None,
     )
 )  # fmt: skip
 register_network(NetworkSpec("unet3d", build_unet3d, uses_spacing=True))
