@@ -55,3 +55,17 @@ def test_the_dataset_bundles_clip_the_u_nets_at_12_and_not_deepmedic(network):
     handlers = parser["train_handlers"]
     (index,) = [i for i, h in enumerate(handlers) if isinstance(h, dict) and h["_target_"].endswith("GradientClipping")]
     assert parser.get_parsed_content(f"train_handlers#{index}").max_norm == expected
+
+
+@pytest.mark.parametrize("meta_mode", ["eval", "train"])
+def test_the_dataset_bundles_tra_meta_mode_reaches_the_tra_updater(meta_mode):
+    """``tra_meta_mode: train`` runs the TRA's extra passes as the reference's code does (a U-Net's heads scored as
+    trained); the bundles pass it to the updater."""
+    from jcsaug.engine import AugmentationSetup
+
+    net = torch.nn.Conv3d(1, 2, 1)
+    updaters = AugmentationSetup("class-specific", "none").updaters(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), [], tra_meta_mode=meta_mode
+    )
+    assert updaters.tra.meta_mode == meta_mode
+    assert "tra_meta_mode=@tra_meta_mode" in "".join(_parser("kits19_tumor")["policy_updaters"].split())

@@ -301,6 +301,7 @@ class AugmentationSetup:
         tra_val_tea: bool = True,
         tea_inferer: Inferer | None = None,
         tra_step: str = "adam",
+        tra_meta_mode: str = "eval",
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
 
@@ -322,7 +323,9 @@ class AugmentationSetup:
         ``tra_step``: the TRA updater's ``step_rule``, a name of :data:`~jcsaug.engine.base.POLICY_STEPS` (``"adam"``;
         ``"natural"``: ops move in proportion to their effects; ``"natural-recent"``: the same with the effects of
         the last ~50 updates weighing most; ``"natural-unbiased"``, the synthetic bundle's default: the same without
-        the drift that noisy effects give the rare ops; see :class:`~jcsaug.engine.base.PolicyUpdater`)."""
+        the drift that noisy effects give the rare ops; see :class:`~jcsaug.engine.base.PolicyUpdater`).
+        ``tra_meta_mode``: the TRA updater's ``meta_mode`` (``"eval"``; ``"train"``: its extra passes in training
+        mode, as the reference's code runs them: a U-Net's deep-supervision heads, BatchNorm's batch statistics)."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(
@@ -332,7 +335,7 @@ class AugmentationSetup:
                 estimator=self.tra_estimator,
                 val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
                 lookahead=tra_lookahead, direction=tra_direction, poly_power=tra_poly_power,
-                start=tra_start, step_rule=tra_step,
+                start=tra_start, step_rule=tra_step, meta_mode=tra_meta_mode,
             )  # fmt: skip
         if self.learn_tea:
             tea = TEAPolicyUpdater(

@@ -361,6 +361,7 @@ def _validators() -> dict[str, Any]:
         "patch_size": _patch_size,
         "tea_patch_size": _optional_patch_size,
         "grad_clip_norm": _optional_positive,
+        "tra_meta_mode": _one_of(("eval", "train")),
         "tra_preset": _tra_preset,
         "tea_preset": _tea_preset,
         "train_fraction": _train_fraction,
