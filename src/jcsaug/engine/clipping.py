@@ -43,12 +43,13 @@ class GradientClipping:
     def attach(self, engine: Engine) -> None:
         if self.max_norm is None:
             return
-        if IterationEvents.BACKWARD_COMPLETED not in engine._allowed_events:
+        try:
+            engine.add_event_handler(IterationEvents.BACKWARD_COMPLETED, self)
+        except ValueError as err:  # Ignite: not an event of this engine
             raise TypeError(
                 f"GradientClipping needs an engine that fires IterationEvents.BACKWARD_COMPLETED between backward and "
                 f"the optimiser step (MONAI's SupervisedTrainer), got {type(engine).__name__}"
-            )
-        engine.add_event_handler(IterationEvents.BACKWARD_COMPLETED, self)
+            ) from err
 
     def __call__(self, engine: Engine) -> None:
         scaler = getattr(engine, "scaler", None)

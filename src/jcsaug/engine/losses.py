@@ -87,11 +87,15 @@ def batch_dice_loss(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Te
     return (1.0 - (2.0 * inter + 1e-5) / (total + 1e-5)).mean()
 
 
+def sample_mean(per_sample: PerSampleLoss, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The mean of a per-sample loss over all samples of a batch given as chunks, whatever the chunks' sizes."""
+    return sum(per_sample(out, y).sum() for out, y in chunks) / sum(y.shape[0] for _, y in chunks)
+
+
 def ce_batch_dice_loss(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Cross-entropy (the mean over the batch's samples) plus :func:`batch_dice_loss`: the reference code's
     ``CE + Dice`` validation loss."""
-    ce = sum(per_sample_ce(logits, label).sum() for logits, label in chunks) / sum(y.shape[0] for _, y in chunks)
-    return ce + batch_dice_loss(chunks)
+    return sample_mean(per_sample_ce, chunks) + batch_dice_loss(chunks)
 
 
 #: name -> validation loss over a whole batch (a list of same-shape chunks) -> scalar. The dataset bundles' L_val:
@@ -117,7 +121,7 @@ def chunked_loss(name: str | PerSampleLoss) -> ChunkedLoss:
     if isinstance(name, str) and name in BATCH_LOSSES:
         return BATCH_LOSSES.get(name)
     per_sample = get_loss(name)
-    return lambda chunks: sum(per_sample(out, y).sum() for out, y in chunks) / sum(y.shape[0] for _, y in chunks)
+    return lambda chunks: sample_mean(per_sample, chunks)
 
 
 def per_sample_training_losses(

@@ -239,7 +239,8 @@ def _identity_weight(value: Any) -> str | None:
 
 
 def _optional_positive(value: Any) -> str | None:
-    return None if value is None or (_finite(value) and value > 0) else "must be a finite number > 0, or None"
+    reason = None if value is None else _positive_finite(value)
+    return reason and f"{reason}, or None"
 
 
 def _optional_patch_size(value: Any) -> str | None:

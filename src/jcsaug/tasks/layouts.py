@@ -108,11 +108,13 @@ PROSTATE_SITE_ALIASES = {PROSTATE_SOURCE: ("ISBI_1.5",), PROSTATE_TARGET: ("HCRU
 
 def _prostate_site_folder(raw_dir: Path, site: str) -> Path:
     """The folder of ``site``: its name, else the first of its older names present (the case ids keep ``site``)."""
-    for name in (site, *PROSTATE_SITE_ALIASES[site]):
+    names = (site, *PROSTATE_SITE_ALIASES[site])
+    for name in names:
         if (raw_dir / name).is_dir():
             return raw_dir / name
-    names = " or ".join((site, *PROSTATE_SITE_ALIASES[site]))
-    raise PrepareError(f"site folder {raw_dir / site} missing ({names}): expected {raw_dir}/{site}/CaseNN.nii.gz")
+    raise PrepareError(
+        f"site folder {raw_dir / site} missing ({' or '.join(names)}): expected {raw_dir}/{site}/CaseNN.nii.gz"
+    )
 
 
 def find_prostate(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
