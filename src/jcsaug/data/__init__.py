@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jcsaug.data.cache import CacheDataset
 from jcsaug.data.checks import CheckFinited, CheckImageLabeld, SafeLoadImaged
+from jcsaug.data.context_crop import ContextCropd, crop_with_context
 from jcsaug.data.normalise import intensity_normalisation
 from jcsaug.data.synthetic import make_synthetic_dataset, synthetic_datalist
 
@@ -11,7 +12,9 @@ __all__ = [
     "CacheDataset",
     "CheckFinited",
     "CheckImageLabeld",
+    "ContextCropd",
     "SafeLoadImaged",
+    "crop_with_context",
     "intensity_normalisation",
     "make_synthetic_dataset",
     "synthetic_datalist",

@@ -302,6 +302,17 @@ def _train_fraction(value: Any) -> str | None:
     return f"must be one of {', '.join(map(str, fractions))} (the training fractions of the paper's table)"
 
 
+def _tra_context(value: Any) -> str | None:
+    """``auto`` or voxels per side (:func:`jcsaug.ops.tra.resolve_tra_context`)."""
+    from jcsaug.ops.tra import TRA_CONTEXT_AUTO, resolve_tra_context
+
+    try:
+        resolve_tra_context(value, (1, 1, 1))
+    except (TypeError, ValueError):
+        return f"must be {TRA_CONTEXT_AUTO!r}, a non-negative voxel count or three (one per axis)"
+    return None
+
+
 def _policy_file(value: Any) -> str | None:
     """``None`` or a path (whether the mode reads it, and then that it holds the policy: :func:`_relation_problems`;
     a path the mode ignores need not exist, as the evaluation configs pass the run's settings on)."""
@@ -362,6 +373,7 @@ def _validators() -> dict[str, Any]:
         "patch_size": _patch_size,
         "tea_patch_size": _optional_patch_size,
         "grad_clip_norm": _optional_positive,
+        "tra_context": _tra_context,
         "tra_meta_mode": _one_of(("eval", "train")),
         "tra_preset": _tra_preset,
         "tea_preset": _tea_preset,

@@ -3,7 +3,16 @@
 from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL
 from jcsaug.ops.catalogue import OpSpec, Series
 from jcsaug.ops.tea import TEA_OPS, apply_tea_ops
-from jcsaug.ops.tra import TRA_SERIES, TRAParams, apply_tra, apply_tra_batch, sample_tra_params, tra_catalogue_json
+from jcsaug.ops.tra import (
+    TRA_SERIES,
+    TRAParams,
+    apply_tra,
+    apply_tra_batch,
+    resolve_tra_context,
+    sample_tra_params,
+    tra_catalogue_json,
+    tra_context,
+)
 
 __all__ = [
     "AXIS_NAMES",
@@ -18,6 +27,8 @@ __all__ = [
     "apply_tea_ops",
     "apply_tra",
     "apply_tra_batch",
+    "resolve_tra_context",
     "sample_tra_params",
     "tra_catalogue_json",
+    "tra_context",
 ]

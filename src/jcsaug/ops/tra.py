@@ -31,7 +31,7 @@ from jcsaug.ops import intensity
 from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL, rotation_plane
 from jcsaug.ops.catalogue import OpSpec, Series, split_signs
 from jcsaug.ops.resample import affine_grid as resample_grid
-from jcsaug.ops.resample import resample, separable_axis
+from jcsaug.ops.resample import centre_crop, resample, separable_axis
 from jcsaug.registry import Registry
 
 _THREE_BINS = ((0.0, 0.1), (0.1, 0.2), (0.2, 0.3))
@@ -307,12 +307,6 @@ def affine_grid(params: TRAParams, spatial_size: Sequence[int], device: torch.de
     return resample_grid(affine_matrix(params)[None], spatial_size, device)
 
 
-def _affine_resample(x: torch.Tensor, matrices: torch.Tensor, mode: str, padding_mode: str,
-                     grid: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """The single resampling of a batch's key (bilinear for images, nearest for labels): one call per key."""
-    return resample(x, matrices, mode=mode, padding_mode=padding_mode, grid=grid)
-
-
 def _as_plain(x: torch.Tensor) -> torch.Tensor:
     return x.as_tensor() if hasattr(x, "as_tensor") else x
 
@@ -341,23 +335,47 @@ def _spatial(
     padding_mode: str,
     grids: dict,
     owned: bool,
-) -> torch.Tensor:
-    """Spatial part of the cascade: affine (one resampling for the whole batch) -> 90-degree rotations."""
+    context: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, bool]:
+    """Spatial part of the cascade: affine (one resampling for the whole batch) -> 90-degree rotations.
+
+    With a ``context`` (voxels per side), the output is the centred region ``in - 2 * context``: the affine reads
+    the whole input, the samples without one are cropped. Returns the result and whether the caller owns it."""
+    in_size = tuple(int(s) for s in x.shape[2:])
+    out_size = in_size if not context else tuple(s - 2 * int(c) for s, c in zip(in_size, context))
     if matrices is not None:
-        shape = tuple(x.shape[2:])
+        dtype = x.dtype if x.is_floating_point() else torch.float32
         factored = x.device.type == "cpu" and x.shape[0] == 1 and separable_axis(matrices[0]) is not None
+        grid = None
         if not factored:  # one grid per shape, shared by the image and label keys
-            key = (shape, x.device, x.dtype if x.is_floating_point() else torch.float32)
+            key = (in_size, out_size, x.device, dtype)
             if key not in grids:
-                grids[key] = resample_grid(matrices, shape, x.device, key[2])
+                grids[key] = resample_grid(matrices, out_size, x.device, dtype, in_size=in_size)
             grid = grids[key]
-        else:
-            grid = None
         mode = "nearest" if is_label else "bilinear"
-        x = intensity.select(
-            x, affine_mask, lambda t: _affine_resample(t, matrices, mode, padding_mode, grid), inplace=owned
-        )
-    return _per_sample_rot90(x, params, owned)
+
+        def affine(t: torch.Tensor) -> torch.Tensor:
+            return resample(t, matrices, mode=mode, padding_mode=padding_mode, grid=grid, out_size=out_size)
+
+        if out_size == in_size:
+            x = intensity.select(x, affine_mask, affine, inplace=owned)
+        else:
+            x, owned = _select_cropped(x, affine_mask, affine, out_size), True
+    elif out_size != in_size:
+        x = centre_crop(x, out_size)
+        x, owned = (x.clone(), True) if x.shape[0] > 1 else (x, False)
+    return _per_sample_rot90(x, params, owned), owned  # (a turn copies an unowned tensor: owned stays a safe answer)
+
+
+def _select_cropped(x: torch.Tensor, mask: list[bool], fn: Callable, out_size: Sequence[int]) -> torch.Tensor:
+    """``fn`` (which returns the centred ``out_size``) on the samples of ``mask``, the centred crop elsewhere."""
+    idx = [i for i, m in enumerate(mask) if m]
+    if len(idx) == x.shape[0]:
+        return fn(x)
+    out = centre_crop(x, out_size).clone()
+    dev_idx = torch.tensor(idx, device=x.device)
+    out[dev_idx] = fn(x[dev_idx])
+    return out
 
 
 def _flips(x: torch.Tensor, params: Sequence[TRAParams], owned: bool) -> torch.Tensor:
@@ -380,6 +398,7 @@ def apply_tra_batch(
     labels: dict[str, torch.Tensor],
     params: Sequence[TRAParams],
     padding_mode: str = "zeros",
+    context: Sequence[int] | int | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Apply each sample's drawn TRA params to a batch, on the device the tensors are on.
 
@@ -389,30 +408,54 @@ def apply_tra_batch(
     rotations and mirrors are index ops;
     intensity ops run on the samples that drew them, vectorised over those samples. A sample whose ops
     are all identities comes out bit for bit unchanged.
+
+    ``context``: voxels per side (one number, or one per axis) by which every input extends beyond the patch
+    (:func:`tra_context`): the outputs are the centred patches ``in - 2 * context``; the scalings and rotations
+    read the context, so what they bring into view is image, not padding (the reference code's enlarged crop).
     """
     params = list(params)
+    context = as_context(context) if context is not None and any(as_context(context)) else None
     affine_mask = [p.needs_affine for p in params]
     matrices = torch.stack([affine_matrix(p) for p, m in zip(params, affine_mask) if m]) if any(affine_mask) else None
     grids: dict = {}
     out_images, out_labels = {}, {}
-    for key, img in images.items():
+    for key, img in {**images, **labels}.items():
         _check_3d(img, key, batched=True)
         if img.shape[0] != len(params):
             raise ValueError(f"key {key!r} holds {img.shape[0]} samples but {len(params)} TRA params were given")
+        if context and any(s <= 2 * c for s, c in zip(img.shape[2:], context)):
+            raise ValueError(
+                f"key {key!r} has spatial shape {tuple(img.shape[2:])}, not larger than twice the TRA context "
+                f"{list(context)} per side: give the patch with its context (an enlarged crop, see jcsaug.data."
+                "ContextCropd)"
+            )
+    for key, img in images.items():
         x = _as_plain(img)
-        owned = x.shape[0] > 1  # a batch: one float32 copy, then every op writes its samples in place
+        # a batch: one float32 copy, then every op writes its samples in place (with a context the crop is the copy)
+        owned = x.shape[0] > 1 and not context
         x = x.float().clone() if owned and x.dtype == torch.float32 else x.float()
-        x = _spatial(x, params, matrices, affine_mask, is_label=False, padding_mode=padding_mode, grids=grids,
-                     owned=owned)  # fmt: skip
+        x, owned = _spatial(x, params, matrices, affine_mask, is_label=False, padding_mode=padding_mode, grids=grids,
+                            owned=owned, context=context)  # fmt: skip
         out_images[key] = _flips(_intensity(x, params, owned), params, owned)
     for key, lab in labels.items():
-        _check_3d(lab, key, batched=True)
         x = _as_plain(lab)
-        dtype, owned = x.dtype, x.shape[0] > 1
+        dtype, owned = x.dtype, x.shape[0] > 1 and not context
         x = x.float().clone() if owned and x.dtype == torch.float32 else x.float()
-        x = _spatial(x, params, matrices, affine_mask, is_label=True, padding_mode="zeros", grids=grids, owned=owned)
+        x, owned = _spatial(x, params, matrices, affine_mask, is_label=True, padding_mode="zeros", grids=grids,
+                            owned=owned, context=context)  # fmt: skip
         out_labels[key] = _flips(x, params, owned).to(dtype)
     return out_images, out_labels
+
+
+def as_context(context: Sequence[int] | int | None) -> tuple[int, int, int]:
+    """A TRA context (voxels per side: one number, one per axis, or ``None`` for none) as three non-negative ints."""
+    if context is None:
+        return (0, 0, 0)
+    values = [context] * 3 if isinstance(context, (int, np.integer)) else context
+    values = list(values) if isinstance(values, (Sequence, np.ndarray)) and not isinstance(values, str) else [values]
+    if len(values) != 3 or any(isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0 for c in values):
+        raise ValueError(f"the TRA context must be one or three non-negative voxel counts, got {context!r}")
+    return tuple(int(c) for c in values)  # type: ignore[return-value]
 
 
 def apply_tra(
@@ -420,11 +463,12 @@ def apply_tra(
     labels: dict[str, torch.Tensor],
     params: TRAParams,
     padding_mode: str = "zeros",
+    context: Sequence[int] | int | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Apply drawn TRA params to one sample's images (spatial + intensity) and labels (spatial, nearest).
 
     Inputs are channel-first ``[C, X, Y, Z]`` tensors (MetaTensors are read as plain tensors); returns plain
-    tensors. The same code as :func:`apply_tra_batch`, on a batch of one.
+    tensors. The same code as :func:`apply_tra_batch`, on a batch of one (``context`` as there).
     """
     for key, x in {**images, **labels}.items():
         _check_3d(x, key)
@@ -433,8 +477,58 @@ def apply_tra(
         {k: _as_plain(v)[None] for k, v in labels.items()},
         [params],
         padding_mode,
+        context,
     )
     return {k: v[0] for k, v in out_images.items()}, {k: v[0] for k, v in out_labels.items()}
+
+
+def tra_context(patch_size: Sequence[int], series: Sequence[Series] = TRA_SERIES) -> tuple[int, int, int]:
+    """Voxels per side by which a patch is enlarged so that the catalogue's scalings and small rotations read image
+    rather than padding: its largest zoom-out combined with its largest rotation about any one axis (nnU-Net's rule
+    for its enlarged crop; rotations about two or three axes at once may still reach past the corners), plus one
+    voxel for the interpolation; at most the patch size per axis (a thin axis, e.g. of 128x128x8 cardiac patches,
+    would otherwise need many times its size). 0 where the catalogue has no scaling or rotation."""
+    sizes = [int(s) for s in patch_size]
+    if len(sizes) != 3 or any(s < 1 for s in sizes):
+        raise ValueError(f"patch_size must be three positive sizes, got {list(patch_size)}")
+    ops = [op for s in series for op in s.ops]
+    zoom_out = max([1.0 + abs(op.high) for op in ops if op.kind == "scale"], default=1.0)
+    angles = {axis: max([abs(op.high) for op in ops if op.kind == "rotate" and op.axis == axis], default=0.0)
+              for axis in range(3)}  # fmt: skip
+    if zoom_out == 1.0 and not any(angles.values()):
+        return (0, 0, 0)
+    half = np.array([(s - 1) / 2.0 for s in sizes])
+    reach = half.copy()
+    for axis, top in angles.items():
+        for degrees in np.linspace(0.0, top, 31):  # |cos| + |sin| need not peak at the largest angle
+            rotation = [0.0, 0.0, 0.0]
+            rotation[axis] = math.radians(degrees)
+            matrix = np.abs(np.asarray(create_rotate(3, rotation, backend="numpy"))[:3, :3])
+            reach = np.maximum(reach, matrix @ half)
+    reach = reach * zoom_out
+    return tuple(min(s, max(0, math.ceil(r - h - 1e-9) + 1)) for s, r, h in zip(sizes, reach, half))  # type: ignore
+
+
+#: the ``tra_context`` setting of the bundles: ``auto`` (:func:`tra_context`), a number, or one number per axis
+TRA_CONTEXT_AUTO = "auto"
+
+
+def resolve_tra_context(
+    setting: str | int | Sequence[int], patch_size: Sequence[int], catalogue: str = "spec"
+) -> tuple[int, int, int]:
+    """The TRA context of a bundle setting: ``"auto"`` -> :func:`tra_context` of the patch and catalogue; a number
+    or three numbers -> that many voxels per side (0: the patch as cropped, zero-filled where a rotation or zoom-out
+    brings the outside into view)."""
+    if isinstance(setting, str):
+        if setting != TRA_CONTEXT_AUTO:
+            raise ValueError(f"tra_context must be {TRA_CONTEXT_AUTO!r}, a voxel count or three, got {setting!r}")
+        return tra_context(patch_size, tra_catalogue(catalogue))
+    try:
+        return as_context(setting)
+    except ValueError:
+        raise ValueError(
+            f"tra_context must be {TRA_CONTEXT_AUTO!r}, a voxel count or three (non-negative integers), got {setting!r}"
+        ) from None
 
 
 def tra_catalogue_json(series: Sequence[Series] = TRA_SERIES) -> list[dict]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from jcsaug.ops.tra import (
     TRAParams,
     apply_tra,
     apply_tra_batch,
+    as_context,
     replace_series_op,
     sample_tra_params,
     tra_catalogue,
@@ -86,6 +87,10 @@ class TRACascaded(Randomizable, MapTransform):
         group_key: key of the class group; ignored by a 1-group policy.
         op_key: where the chosen op indices are stored.
         padding_mode: padding of the affine resampling for images (labels pad with 0).
+        context: voxels per side (one number or one per axis) by which the input patches extend beyond the patch
+            (from :class:`jcsaug.data.ContextCropd`; see :func:`jcsaug.ops.tra.tra_context`): the scalings and
+            rotations read them, and every output is the centred patch, ``context`` smaller on each side. 0
+            (default): the patch as given, zero-filled where a rotation or zoom-out brings its outside into view.
         counterfactuals: K, for the paired TRA estimator (``TRAPolicyUpdater(estimator="paired")``): the number of
             *counterfactual* copies of the sample to make, each differing from it in one series only. A copy
             draws a non-identity op uniformly over all ops of all series; if the sample's own op in that series
@@ -125,8 +130,13 @@ class TRACascaded(Randomizable, MapTransform):
         counterfactuals: int = 0,
         cf_op_key: str = DEFAULT_CF_OP_KEY,
         exploration: str = "drawn",
+        context: Sequence[int] | int = 0,
     ) -> None:
         MapTransform.__init__(self, keys, allow_missing_keys)
+        try:
+            self.context = as_context(context)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
         #: the catalogue of the policy's ops (``spec`` or ``split-signs``): what a drawn op index means
         self.series = _tra_series_of(policy, type(self).__name__)
         if int(counterfactuals) < 0:
@@ -194,9 +204,9 @@ class TRACascaded(Randomizable, MapTransform):
             raise KeyError(f"TRACascaded: label key(s) {missing} not in data (keys: {list(d)})")
         labels = {k: d[k] for k in label_keys}
         counterfactuals = self.randomize_counterfactuals(choices, params) if self.counterfactuals else []
-        out_images, out_labels = apply_tra(images, labels, params, padding_mode=self.padding_mode)
+        out_images, out_labels = apply_tra(images, labels, params, self.padding_mode, self.context)
         if counterfactuals and make_counterfactuals:
-            copies = [apply_tra(images, labels, p, padding_mode=self.padding_mode) for _, _, p in counterfactuals]
+            copies = [apply_tra(images, labels, p, self.padding_mode, self.context) for _, _, p in counterfactuals]
             for k in (*out_images, *out_labels):
                 # plain tensors: some intensity ops return MetaTensors, and a batch must not mix the two types
                 d[k + COUNTERFACTUAL_SUFFIX] = torch.stack([_plain({**ci, **cl}[k]) for ci, cl in copies])
@@ -228,6 +238,8 @@ class BatchTRACascaded(TRACascaded):
         op_key: where the chosen op indices ``[B, 15]`` are stored.
         padding_mode: padding of the affine resampling for images (labels pad with 0).
         device: move the image and label tensors there first (``None``: leave them where they are).
+        context: voxels per side by which the batch's patches extend beyond the patch (as :class:`TRACascaded`'s):
+            the outputs are the centred patches.
         counterfactuals: K copies of every sample for the paired TRA estimator, as :class:`TRACascaded` makes
             them (``key + "_cf"``: ``[B, K, C, X, Y, Z]``; ``cf_op_key``: ``[B, K, 2]``); all B x K copies are
             augmented by the same batched calls, drawn after the B samples' own ops.
@@ -248,10 +260,11 @@ class BatchTRACascaded(TRACascaded):
         counterfactuals: int = 0,
         cf_op_key: str = DEFAULT_CF_OP_KEY,
         exploration: str = "drawn",
+        context: Sequence[int] | int = 0,
     ) -> None:
         super().__init__(
             keys, policy, label_keys, group_key, op_key, padding_mode, allow_missing_keys, counterfactuals, cf_op_key,
-            exploration,
+            exploration, context,
         )  # fmt: skip
         self.device = None if device is None else torch.device(device)
 
@@ -309,12 +322,12 @@ class BatchTRACascaded(TRACascaded):
             cf_images, cf_labels = apply_tra_batch(
                 {key: x.repeat_interleave(k, dim=0) for key, x in images.items()},
                 {key: x.repeat_interleave(k, dim=0) for key, x in label_tensors.items()},
-                [p for sample in copies for _, _, p in sample], self.padding_mode,
+                [p for sample in copies for _, _, p in sample], self.padding_mode, self.context,
             )  # fmt: skip
             for key, x in {**cf_images, **cf_labels}.items():
                 d[key + COUNTERFACTUAL_SUFFIX] = _plain(x).reshape(batch, k, *x.shape[1:])
             d[self.cf_op_key] = torch.tensor([[[s, j] for s, j, _ in sample] for sample in copies], dtype=torch.long)
-        out_images, out_labels = apply_tra_batch(images, label_tensors, params, self.padding_mode)
+        out_images, out_labels = apply_tra_batch(images, label_tensors, params, self.padding_mode, self.context)
         for key, v in {**out_images, **out_labels}.items():
             d[key] = _rewrap(v, d[key])
         d[self.op_key] = torch.as_tensor(choices, dtype=torch.long)
