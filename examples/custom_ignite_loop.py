@@ -19,8 +19,9 @@ from monai.networks.nets import UNet
 from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandCropByPosNegLabeld
 from monai.utils import set_determinism
 
-from jcsaug.data import make_synthetic_dataset
+from jcsaug.data import ContextCropd, make_synthetic_dataset
 from jcsaug.engine import PolicyExporter, TEAPolicyUpdater, TRAPolicyUpdater
+from jcsaug.ops import tra_context
 from jcsaug.policy import ClassGroupd, TRACascaded, make_tea_policy, make_tra_policy
 
 
@@ -37,9 +38,13 @@ def main(iterations: int = 20, output_dir: str | None = None, data_dir: str | No
     tea_policy = make_tea_policy("nnunet")
     load = [LoadImaged(["image", "label"], image_only=True), EnsureChannelFirstd(["image", "label"])]
     crop = RandCropByPosNegLabeld(["image", "label"], "label", spatial_size=(24, 24, 24), num_samples=4)
-    augment = [ClassGroupd("label"), TRACascaded("image", tra_policy, label_keys="label")]
-    train_loader = DataLoader(CacheDataset(files["training"], Compose(load + [crop] + augment), progress=False),
-                              batch_size=2, shuffle=True, num_workers=2)  # fmt: skip
+    # training patches with a context around them, which the TRA's rotations and zooms read before it returns them
+    context = tra_context((24, 24, 24))
+    augment = [ClassGroupd("label"), TRACascaded("image", tra_policy, label_keys="label", context=context)]
+    train_loader = DataLoader(
+        CacheDataset(files["training"], Compose([*load, ContextCropd(crop, context), *augment]), progress=False),
+        batch_size=2, shuffle=True, num_workers=2,
+    )  # fmt: skip
     val_loader = DataLoader(CacheDataset(files["validation"], Compose(load + [crop]), progress=False), batch_size=2)
 
     net = UNet(3, 1, 2, channels=(8, 16), strides=(2,), num_res_units=1)

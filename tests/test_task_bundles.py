@@ -170,8 +170,9 @@ def test_patch_centres_fall_on_classes_as_the_reference_samples_them(task):
     for network, background in REFERENCE_BACKGROUND_SHARE.items():
         parser = _parser(task, network=network)
         for crop_id in ("random_crop", "val_random_crop"):
-            (index,) = [i for i, t in enumerate(parser[crop_id]) if t["_target_"] == "RandCropByLabelClassesd"]
-            ratios = parser.get_parsed_content(f"{crop_id}#{index}#ratios")  # alone: the rest needs prepared data
+            (crop,) = [f"{crop_id}#{i}" + ("#crop" if "crop" in t else "") for i, t in enumerate(parser[crop_id])
+                       if (t.get("crop") or t)["_target_"] == "RandCropByLabelClassesd"]  # fmt: skip
+            ratios = parser.get_parsed_content(f"{crop}#ratios")  # alone: the rest needs prepared data
             assert ratios is not None, (network, crop_id)
             share = [float(r) / sum(ratios) for r in ratios]
             assert len(share) == classes, (network, crop_id, ratios)
@@ -351,6 +352,40 @@ def test_deepmedic_patches_are_centred_inside_the_volume_and_labels_stay_classes
     for sample in dataset[0]:
         assert tuple(sample["label"].shape[1:]) == (21, 21, 21) and tuple(sample["image"].shape[1:]) == (109,) * 3
         assert set(np.unique(np.asarray(sample["label"])).tolist()) <= {0, 1, 2}
+
+
+@pytest.mark.parametrize("augment_on", ["worker", "device"])
+def test_training_patches_carry_the_tra_context_until_the_cascade_returns_the_patch(prepared, augment_on):
+    """``tra_context: auto``: the workers cut DeepMedic's segment and its label region with the TRA's context on each
+    side; the cascade (in the workers or on the device) returns the segment and the label region the loss sees.
+    ``tra_context: 0``: no context anywhere."""
+    import numpy as np
+    from monai.data import list_data_collate
+
+    from jcsaug.ops import tra_context
+
+    kw = {"dataset_dir": str(prepared["kits19_tumor"][1]), "network": "deepmedic", "augment_on": augment_on,
+          "network_kwargs": {"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]}}  # fmt: skip
+    parser = _parser("kits19_tumor", **kw)
+    input_size, output_size = (tuple(s) for s in parser.get_parsed_content("patch_sizes"))
+    context = parser.get_parsed_content("context")
+    assert context == tra_context(input_size) and min(context) > 0
+    samples = parser.get_parsed_content("train_dataset")[0]
+    if augment_on == "worker":
+        shapes = (input_size, output_size)
+    else:
+        shapes = tuple(tuple(s + 2 * c for s, c in zip(size, context)) for size in (input_size, output_size))
+    for sample in samples:
+        assert (tuple(sample["image"].shape[1:]), tuple(sample["label"].shape[1:])) == shapes
+        assert set(np.unique(np.asarray(sample["label"])).tolist()) <= {0, 1, 2}
+    if augment_on == "device":
+        batch = parser.get_parsed_content("device_augmentation").transform(list_data_collate(samples))
+        assert tuple(batch["image"].shape[2:]) == input_size and tuple(batch["label"].shape[2:]) == output_size
+        assert set(np.unique(np.asarray(batch["label"])).tolist()) <= {0, 1, 2}
+    plain = _parser("kits19_tumor", **kw, tra_context=0)
+    assert plain.get_parsed_content("context") == (0, 0, 0)
+    for sample in plain.get_parsed_content("train_dataset")[0]:
+        assert tuple(sample["image"].shape[1:]) == input_size and tuple(sample["label"].shape[1:]) == output_size
 
 
 def test_command_line_flags_are_parsed_as_booleans():

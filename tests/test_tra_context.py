@@ -136,8 +136,9 @@ def _volume(seed: int = 0) -> dict:
     "make_crop",
     [
         lambda: RandCropByPosNegLabeld(["image", "label"], "label", spatial_size=(10, 12, 8), num_samples=6),
-        lambda: RandCropByLabelClassesd(["image", "label"], "label", spatial_size=(10, 12, 8), num_classes=3,
-                                        num_samples=6),  # fmt: skip
+        lambda: RandCropByLabelClassesd(
+            ["image", "label"], "label", spatial_size=(10, 12, 8), num_classes=3, num_samples=6
+        ),  # fmt: skip
     ],
 )
 def test_context_crop_is_the_patch_with_its_surroundings(make_crop) -> None:
@@ -156,9 +157,10 @@ def test_context_crop_is_the_patch_with_its_surroundings(make_crop) -> None:
         outside = torch.as_tensor(e["image"]) == 0  # the image is > 0 everywhere inside the volume
         assert torch.equal(outside, torch.as_tensor(e["label"]) == 255)
         beyond += int(outside.sum())
-        assert ClassGroupd("label", mapping={0: 0, 1: 1, 2: 2, 255: 0})(e)["class_group"] == ClassGroupd(
-            "label", mapping={0: 0, 1: 1, 2: 2}
-        )(p)["class_group"]  # the centre voxel, and so the class group, is the patch's
+        assert (
+            ClassGroupd("label", mapping={0: 0, 1: 1, 2: 2, 255: 0})(e)["class_group"]
+            == ClassGroupd("label", mapping={0: 0, 1: 1, 2: 2})(p)["class_group"]
+        )  # the centre voxel, and so the class group, is the patch's
     assert beyond > 0  # some crops reached beyond the volume
 
 
