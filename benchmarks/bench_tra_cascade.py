@@ -31,8 +31,8 @@ measures the compute alone, with much less spread.
 (p1) one resampling at p = 1 (scaling and rotations about all three axes, image bilinear + label
     nearest): jcsaug's cascade with a policy that always draws them, MONAI's ``RandAffined(prob=1)`` and
     TorchIO's ``RandomAffine(p=1)`` (SimpleITK given ``--threads`` threads). Target: jcsaug <= TorchIO.
-(c) resamplings of the image per sample in the cascade: calls of ``jcsaug.ops.tra._affine_resample``
-    with mode "bilinear" (max and mean). Target: max <= 1. For information, the MONAI pipeline's
+(c) resamplings of the image per sample in the cascade: calls of ``jcsaug.ops.resample.resample`` from
+    ``jcsaug.ops.tra`` with mode "bilinear" (max and mean). Target: max <= 1. For information, the MONAI pipeline's
     image resamplings (``grid_sample`` / ``interpolate`` calls with a non-nearest mode made by
     RandRotated / RandZoomd) and all its ``grid_sample`` + ``interpolate`` calls are printed too.
 
@@ -251,7 +251,7 @@ def _mode(args: tuple, kwargs: dict, position: int, default: str) -> str:
 
 
 class CallCounter:
-    """Counts ``grid_sample`` / ``interpolate`` and ``_affine_resample`` calls while installed."""
+    """Counts ``grid_sample`` / ``interpolate`` and the cascade's ``resample`` calls while installed."""
 
     def __init__(self) -> None:
         self.calls: Counter = Counter()
@@ -280,7 +280,7 @@ class CallCounter:
         F = torch.nn.functional
         self._wrap(F, "grid_sample", lambda a, k: _mode(a, k, 2, "bilinear"))
         self._wrap(F, "interpolate", lambda a, k: _mode(a, k, 3, "nearest"))
-        self._wrap(tra_mod, "_affine_resample", lambda a, k: _mode(a, k, 2, "?"))
+        self._wrap(tra_mod, "resample", lambda a, k: _mode(a, k, 2, "?"))  # the cascade's one call per key
         return self
 
     def __exit__(self, *exc) -> None:
@@ -302,8 +302,8 @@ def count_resamplings(cascade, tra, monai_pipe, samples, seed_tra, seed_monai, d
         for s, (_, choices, params) in zip(samples, drawn):
             out = cascade(dict(s))
             c = counter.take()
-            cascade_img.append(c[("", "_affine_resample", "bilinear")])
-            cascade_all.append(sum(n for (_, name, _), n in c.items() if name != "_affine_resample"))
+            cascade_img.append(c[("", "resample", "bilinear")])
+            cascade_all.append(sum(n for (_, name, _), n in c.items() if name != "resample"))
             if not np.array_equal(out["tra_ops"].numpy(), choices):
                 raise RuntimeError("pre-drawn choices differ from the cascade's: (b) would compare different ops")
             ref_img, ref_lab = apply_tra({"image": s["image"]}, {"label": s["label"]}, params)
@@ -518,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
     print(
         "\nms = per-sample time (median over repeats, mean over samples). (a) cascade / plain-MONAI nnU-Net "
-        "Compose; (b) cascade / apply_tra alone on the same pre-drawn ops.\n(c) _affine_resample calls on the "
+        "Compose; (b) cascade / apply_tra alone on the same pre-drawn ops.\n(c) resample calls on the "
         "image per cascade sample. 'MONAI img' = image grid_sample/interpolate calls (non-nearest mode) in "
         "RandRotated + RandZoomd;\n'all F c/M' = all grid_sample + interpolate calls per sample (image and "
         f"label, low-res included), cascade / MONAI.  Total {time.perf_counter() - start:.0f} s."
