@@ -199,3 +199,19 @@ def test_a_resume_pt_from_before_the_tra_direction_was_saved_ran_with_v(tmp_path
                        r"tra_updater\.direction validation"):  # fmt: skip
         check_resume_matches(state, tmp_path / "resume.pt", None, None,
                              updaters={"tra_updater": {"seed": 0, "direction": "beyond-training"}})  # fmt: skip
+
+
+def test_a_resume_pt_from_before_the_tra_context_ran_without_one(tmp_path):
+    """Run settings saved without ``tra_context`` were a run whose patches had no context: resuming it with the
+    bundles' ``auto`` is refused, naming both; ``--tra_context 0`` resumes it. A run that saved its context keeps it."""
+    from jcsaug.engine.resume import check_resume_matches
+
+    old = {"run_settings": {"seed": 0}}
+    check_resume_matches(old, tmp_path / "resume.pt", None, None, settings={"seed": 0, "tra_context": [0, 0, 0]})
+    with pytest.raises(ValueError, match=r"with --tra_context \[18, 18, 18\]: that run was saved with tra_context "
+                       r"\[0, 0, 0\]"):  # fmt: skip
+        check_resume_matches(old, tmp_path / "resume.pt", None, None, settings={"seed": 0, "tra_context": [18] * 3})
+    new = {"run_settings": {"seed": 0, "tra_context": [18, 18, 18]}}
+    check_resume_matches(new, tmp_path / "resume.pt", None, None, settings={"seed": 0, "tra_context": [18] * 3})
+    with pytest.raises(ValueError, match=r"--tra_context \[0, 0, 0\]"):
+        check_resume_matches(new, tmp_path / "resume.pt", None, None, settings={"seed": 0, "tra_context": [0] * 3})

@@ -203,7 +203,10 @@ def _differences(
             saved = trainer.get(key)
             if asked is not None and saved is not None and int(asked) != int(saved):
                 found.append(("length", f"--{key} {asked}", f"{key} {saved}"))
-    found += _setting_differences(settings or {}, state.get(RUN_SETTINGS), "--", "")
+    saved_settings = state.get(RUN_SETTINGS)
+    if isinstance(saved_settings, Mapping):
+        saved_settings = {**RUN_SETTINGS_BEFORE_SAVED, **saved_settings}
+    found += _setting_differences(settings or {}, saved_settings, "--", "")
     for name, asked_settings in (updaters or {}).items():
         entry = state.get(name)
         saved = entry.get("settings") if isinstance(entry, Mapping) else None
@@ -220,6 +223,9 @@ def _differences(
 #: a policy updater's setting -> the value every run had before the setting was saved in ``resume.pt`` (a file
 #: without it ran with that value, so a resume asking another is refused rather than silently changing the run)
 UPDATER_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"direction": "validation"}
+
+#: the same for a run's settings (``ResumeCheckpoint(settings=)``): runs before the TRA context cropped no context
+RUN_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"tra_context": [0, 0, 0]}
 
 
 def _setting_differences(
