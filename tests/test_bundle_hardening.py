@@ -149,13 +149,17 @@ def test_4_resume_with_another_seed_or_update_interval_is_refused(monkeypatch, t
     run = tmp_path / "run"
     _previous_run(run)
     state = read_checkpoint(run / "resume.pt")
+    workflow = _workflow(monkeypatch, tmp_path, dataset, epoch_length=2, resume=True)
+    context = list(workflow.parser.get_parsed_content("context"))  # the TRA context this run's patches have
     state["run_settings"] = {"seed": 0, "tra_mode": "class-specific", "tea_mode": "joint", "tra_update_every": 2,
-                             "tea_update_every": 2}  # fmt: skip
+                             "tea_update_every": 2, "tra_context": context}  # fmt: skip
     torch.save(state, run / "resume.pt")
-    _workflow(monkeypatch, tmp_path, dataset, epoch_length=2, resume=True).initialize()  # the same: accepted
+    workflow.initialize()  # the same: accepted
     message = _refused(monkeypatch, tmp_path, dataset, epoch_length=2, resume=True, seed=1, tra_update_every=4)
     assert "--seed 1" in message and "seed 0" in message
     assert "--tra_update_every 4" in message and "tra_update_every 2" in message
+    message = _refused(monkeypatch, tmp_path, dataset, epoch_length=2, resume=True, tra_context=0)
+    assert "--tra_context [0, 0, 0]" in message and f"tra_context {context}" in message
 
 
 # ----------------------------------------------------------------------------------------------- items 5 and 6
