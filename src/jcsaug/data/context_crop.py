@@ -90,6 +90,8 @@ class ContextCropd(Randomizable, MapTransform):
         return float(self.fill.get(key, 0)) if isinstance(self.fill, Mapping) else float(self.fill)
 
     def __call__(self, data: Mapping[Hashable, torch.Tensor]) -> list[dict]:
+        # the wrapped crop's own patches (views) give the centres as it corrects them and each patch's size; every key
+        # is then cut again around the same centre: no MONAI crop cuts one size around centres corrected for another
         patches = self.crop(data)
         if not any(self.context):
             return patches
