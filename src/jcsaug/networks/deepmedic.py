@@ -54,6 +54,8 @@ from monai.inferers import Inferer
 from monai.networks.layers import Conv, Pool
 from monai.networks.layers.utils import get_act_layer, get_norm_layer
 
+from jcsaug.ops.resample import centre_crop  # the package's one centre crop (re-exported here)
+
 logger = logging.getLogger(__name__)
 #: how a context pathway subsamples its crop: every f-th voxel (the reference), or f³ average pooling
 SUBSAMPLE_MODES = ("strided", "avg")
@@ -85,20 +87,6 @@ def _as_tuple(value: SizeLike, n: int, what: str = "size") -> tuple[int, ...]:
     if len(out) != n:
         raise ValueError(f"{what} {tuple(value)} must have {n} entries")
     return out
-
-
-def centre_crop(x: torch.Tensor | np.ndarray, size: SizeLike) -> torch.Tensor | np.ndarray:
-    """Centre crop of the trailing ``len(size)`` axes (an int: the last ``min(3, ndim)`` axes); start = floor of
-    half the excess."""
-    n = min(3, x.ndim) if isinstance(size, (int, np.integer)) else len(size)
-    size = _as_tuple(size, n)
-    shape = tuple(x.shape[-n:])
-    if any(s < o for s, o in zip(shape, size)):
-        raise ValueError(f"cannot centre-crop spatial shape {shape} to the larger {size}")
-    if shape == size:
-        return x
-    index = (Ellipsis,) + tuple(slice((s - o) // 2, (s - o) // 2 + o) for s, o in zip(shape, size))
-    return x[index]
 
 
 def crop_label_to_output(label: torch.Tensor | np.ndarray, output_size: SizeLike) -> torch.Tensor | np.ndarray:

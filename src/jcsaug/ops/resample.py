@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -126,10 +127,19 @@ def _interp_1d(x: torch.Tensor, dim: int, factor: float, mode: str, padding_mode
     return torch.movedim(torch.tensordot(weights, x, dims=([1], [dim])), 0, dim).contiguous()
 
 
-def centre_crop(x: torch.Tensor, out_size: Sequence[int]) -> torch.Tensor:
-    """The centred ``out_size`` region of ``x`` [..., X, Y, Z] (a view; each margin must be even)."""
-    starts = [(n - o) // 2 for n, o in zip(x.shape[-3:], out_size)]
-    return x[(..., *(slice(s, s + o) for s, o in zip(starts, out_size)))]
+def centre_crop(x: torch.Tensor | np.ndarray, size: int | Sequence[int]) -> torch.Tensor | np.ndarray:
+    """Centre crop (a view) of the trailing ``len(size)`` axes (an int: the last ``min(3, ndim)`` axes); start =
+    floor of half the excess. The one centre crop of tensors and arrays: the TRA's context, DeepMedic's label
+    region and pathways."""
+    n = min(3, x.ndim) if isinstance(size, (int, np.integer)) else len(size)
+    size = (int(size),) * n if isinstance(size, (int, np.integer)) else tuple(int(s) for s in size)
+    shape = tuple(x.shape[-n:])
+    if any(s < o for s, o in zip(shape, size)):
+        raise ValueError(f"cannot centre-crop spatial shape {shape} to the larger {size}")
+    if shape == size:
+        return x
+    index = (Ellipsis,) + tuple(slice((s - o) // 2, (s - o) // 2 + o) for s, o in zip(shape, size))
+    return x[index]
 
 
 def _resample_factored(x: torch.Tensor, matrix: torch.Tensor, axis: int, mode: str, padding_mode: str,
