@@ -414,7 +414,8 @@ def apply_tra_batch(
     read the context, so what they bring into view is image, not padding (the reference code's enlarged crop).
     """
     params = list(params)
-    context = as_context(context) if context is not None and any(as_context(context)) else None
+    context = as_context(context)
+    context = context if any(context) else None  # no context: the patches as given
     affine_mask = [p.needs_affine for p in params]
     matrices = torch.stack([affine_matrix(p) for p, m in zip(params, affine_mask) if m]) if any(affine_mask) else None
     grids: dict = {}
