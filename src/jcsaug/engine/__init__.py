@@ -54,8 +54,11 @@ from jcsaug.engine.resume import EpochReseeder, ResumeCheckpoint, StopAfterEpoch
 from jcsaug.engine.summary import RunSummary
 from jcsaug.engine.tea_updater import TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRAPolicyUpdater
+from jcsaug.engine.worker_counterfactuals import CounterfactualDataset, CounterfactualSampler
 
 __all__ = [
+    "CounterfactualDataset",
+    "CounterfactualSampler",
     "AUGMENT_ON",
     "resolve_augment_on",
     "HYPERGRADIENTS",

@@ -1,6 +1,6 @@
 """Learnable categorical policies and the MONAI dictionary transforms they drive."""
 
-from jcsaug.policy.cascade import BatchTRACascaded, TRACascaded
+from jcsaug.policy.cascade import BatchTRACascaded, TRACascaded, making_counterfactuals
 from jcsaug.policy.categorical import NOT_APPLIED, CategoricalPolicy
 from jcsaug.policy.changes import OpChange, policy_changes
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
@@ -37,6 +37,7 @@ __all__ = [
     "list_tea_presets",
     "list_tra_presets",
     "make_tea_policy",
+    "making_counterfactuals",
     "make_tra_policy",
     "policy_changes",
     "register_tea_preset",

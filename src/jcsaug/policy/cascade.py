@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 import torch
@@ -42,6 +44,23 @@ CF_EXPLORATIONS: Registry[str] = Registry(
         "does not depend on the policy",
     },
 )
+
+
+# whether TRACascaded makes the counterfactual copies it draws when its caller does not say (making_counterfactuals);
+# a context variable, since the DataLoader's dataset and MONAI's Compose call the transform with the sample only
+_MAKE_COUNTERFACTUALS: ContextVar[bool] = ContextVar("jcsaug_make_counterfactuals", default=True)
+
+
+@contextmanager
+def making_counterfactuals(make: bool) -> Iterator[None]:
+    """Within the block, a :class:`TRACascaded` called without ``make_counterfactuals`` makes its counterfactual
+    copies only if ``make`` (they are drawn either way, so the random stream is the same). Outside any such block
+    it makes them. :class:`jcsaug.engine.CounterfactualDataset` sets it per sample in the DataLoader workers."""
+    token = _MAKE_COUNTERFACTUALS.set(bool(make))
+    try:
+        yield
+    finally:
+        _MAKE_COUNTERFACTUALS.reset(token)
 
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
@@ -192,9 +211,12 @@ class TRACascaded(Randomizable, MapTransform):
         second = others[int(self.R.randint(len(others)))] if others else op
         return [(series, op), (series, second)]
 
-    def __call__(self, data: Mapping, make_counterfactuals: bool = True) -> dict:
+    def __call__(self, data: Mapping, make_counterfactuals: bool | None = None) -> dict:
         """Augment one sample; ``make_counterfactuals=False`` draws its counterfactual copies (so the random stream
-        goes on as with them) without making them or adding their keys: for samples no TRA update will score."""
+        goes on as with them) without making them or adding their keys: for samples no TRA update will score.
+        ``None`` (default): as the enclosing :func:`making_counterfactuals` says, else make them."""
+        if make_counterfactuals is None:
+            make_counterfactuals = _MAKE_COUNTERFACTUALS.get()
         d = dict(data)
         choices, params = self.randomize(d)
         images = {k: d[k] for k in self.key_iterator(d)}
@@ -288,10 +310,12 @@ class BatchTRACascaded(TRACascaded):
             params.append(sample_tra_params(c, self.R, self.series))
         return np.stack(choices) if choices else np.zeros((0, len(self.series)), np.int64), params
 
-    def __call__(self, data: Mapping, make_counterfactuals: bool = True) -> dict:
+    def __call__(self, data: Mapping, make_counterfactuals: bool | None = None) -> dict:
         """Augment a batch; ``make_counterfactuals=False`` draws the copies without making them (see
         :meth:`TRACascaded.__call__`): :class:`jcsaug.engine.DeviceAugmentation` passes it for the batches of
         iterations without a TRA update."""
+        if make_counterfactuals is None:
+            make_counterfactuals = _MAKE_COUNTERFACTUALS.get()
         d = dict(data)
         if self.op_key in d:
             raise ValueError(

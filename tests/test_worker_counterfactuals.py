@@ -1,0 +1,124 @@
+"""The DataLoader workers make the paired TRA's counterfactual copies only for the batches a TRA update scores
+(``CounterfactualSampler`` + ``CounterfactualDataset``), and the run is the same as with copies on every batch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ignite.engine import Events
+from monai.data import DataLoader, Dataset
+from monai.utils import set_determinism
+from torch.utils.data import RandomSampler, SequentialSampler
+
+from jcsaug.engine import CounterfactualDataset, CounterfactualSampler, TRAPolicyUpdater
+from jcsaug.policy import TRACascaded, make_tra_policy, making_counterfactuals
+
+
+def _samples(n: int = 8) -> list[dict]:
+    from helpers import lesion_batch
+
+    batch = lesion_batch(n, seed=5)
+    return [{k: v[i] for k, v in batch.items()} for i in range(n)]
+
+
+def _worker_run(schedule: bool, start: float, num_workers: int) -> tuple[torch.Tensor, list[int], int, list]:
+    """A paired-TRA run augmenting in the DataLoader (2 samples per batch, 4 batches per epoch, 2 epochs; updates
+    every 2nd iteration after a warm-up of ``start``): the final logits, the iterations whose batch held copies,
+    the updates made, and the first batch's op record."""
+    from helpers import lesion_batch, tiny_unet, train_engine
+
+    set_determinism(seed=0)
+    policy = make_tra_policy("uniform", num_groups=2)
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    engine = train_engine(net, opt)
+    updater = TRAPolicyUpdater(policy, net, [lesion_batch(4, seed=99)], opt, lr=0.05, estimator="paired",
+                               update_every=2, start=start)  # fmt: skip
+    cascade = TRACascaded("image", policy, label_keys="label", counterfactuals=2)
+    dataset = Dataset(_samples(), transform=cascade)
+    if schedule:
+        sampler = CounterfactualSampler(RandomSampler(dataset), batch_size=2, counterfactuals_for=updater)
+        loader = DataLoader(CounterfactualDataset(dataset), sampler=sampler, batch_size=2, num_workers=num_workers)
+        sampler.attach(engine)
+    else:
+        loader = DataLoader(dataset, batch_size=2, shuffle=True, num_workers=num_workers)
+    with_copies, ops = [], []
+    engine.add_event_handler(
+        Events.ITERATION_STARTED, lambda e: "image_cf" in e.state.batch and with_copies.append(e.state.iteration)
+    )
+    engine.add_event_handler(Events.ITERATION_STARTED, lambda e: ops.append(e.state.batch["tra_ops"].clone()))
+    updater.attach(engine)
+    engine.run(loader, max_epochs=2)
+    set_determinism(None)
+    return policy.logits.detach().clone(), with_copies, updater.updates, ops
+
+
+@pytest.mark.parametrize(("start", "num_workers"), [(0.0, 0), (0.5, 0), (0.0, 2)])
+def test_workers_make_copies_for_the_tra_updates_only_and_the_run_is_unchanged(start: float, num_workers: int) -> None:
+    logits, with_copies, updates, ops = _worker_run(schedule=True, start=start, num_workers=num_workers)
+    every_logits, every_batch, every_updates, every_ops = _worker_run(False, start, num_workers)
+    assert every_batch == list(range(1, 9))
+    assert with_copies == ([2, 4, 6, 8] if start == 0 else [6, 8])  # every 2nd iteration, after the warm-up's 4
+    assert updates == every_updates == len(with_copies)  # none skipped: every update found its copies
+    assert all(torch.equal(a, b) for a, b in zip(ops, every_ops, strict=True))  # the same samples drew the same ops
+    assert torch.equal(logits, every_logits)  # the same draws, so the same policy trajectory
+
+
+def test_the_sampler_counts_iterations_from_where_the_engine_is_when_the_data_starts() -> None:
+    asked = []
+    schedule = SimpleNamespace(updates_at=lambda engine, iteration: asked.append(iteration) or iteration % 3 == 0)
+    sampler = CounterfactualSampler(SequentialSampler(range(7)), batch_size=2, counterfactuals_for=schedule)
+    assert list(sampler) == [(i, True) for i in range(7)]  # not attached: copies everywhere, as without it
+    sampler.attach(SimpleNamespace(state=SimpleNamespace(iteration=4)))  # e.g. resumed after 4 iterations
+    tagged = list(sampler)
+    assert [i for i, _ in tagged] == list(range(7)) and len(sampler) == 7
+    assert sorted(set(asked)) == [5, 6, 7, 8]  # batches of 2: iterations 5..8
+    assert [m for _, m in tagged] == [False, False, True, True, False, False, False]
+
+
+def test_the_dataset_makes_copies_as_tagged_and_passes_plain_indices_through() -> None:
+    cascade = TRACascaded("image", make_tra_policy("uniform", num_groups=2), label_keys="label", counterfactuals=2)
+    dataset = CounterfactualDataset(Dataset(_samples(2), transform=cascade))
+    assert len(dataset) == 2
+    assert "image_cf" in dataset[(0, True)] and "image_cf" not in dataset[(0, False)]
+    assert "image_cf" in dataset[1]  # another sampler's plain index: copies made, as without the wrapper
+    with making_counterfactuals(False):
+        assert "image_cf" not in cascade(_samples(1)[0])
+        assert "image_cf" in cascade(_samples(1)[0], make_counterfactuals=True)  # the caller's word wins
+    assert "image_cf" in cascade(_samples(1)[0])  # restored after the block
+
+
+def test_the_sampler_refuses_a_batch_size_below_one() -> None:
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        CounterfactualSampler(range(3), batch_size=0)
+
+
+@pytest.mark.filterwarnings("ignore:.*exists but was not made with:UserWarning")  # the small dataset, on purpose
+@pytest.mark.parametrize("augment_on", ["worker", "device"])
+def test_the_bundle_tags_its_training_batches_for_the_tra_update_in_worker_mode(tmp_path, augment_on: str) -> None:
+    """The default bundle's loader draws its cases through the sampler, attached to the trainer: in the workers the
+    copies are made for the TRA update's iterations only (every 2nd); on the device the workers make none."""
+    from monai.bundle import ConfigParser
+
+    from helpers import CONFIGS, small_dataset
+
+    small_dataset(tmp_path)
+    parser = ConfigParser()
+    parser.read_config(str(CONFIGS / "train.yaml"))
+    parser.update({"dataset_dir": str(tmp_path / "data"), "output_dir": str(tmp_path / "run"), "num_workers": 0,
+                   "augment_on": augment_on})  # fmt: skip
+    trainer = parser.get_parsed_content("trainer")
+    loader, sampler = parser.get_parsed_content("train_loader"), parser.get_parsed_content("counterfactual_sampler")
+    assert loader.sampler is sampler and sampler.engine is trainer
+    assert isinstance(loader.dataset, CounterfactualDataset)
+    updater = parser.get_parsed_content("policy_updaters").tra
+    assert sampler.counterfactuals_for is (updater if augment_on == "worker" else None)
+    trainer.state.iteration = 0  # as at the run's start
+    batches = iter(loader)
+    first, second = next(batches), next(batches)  # for iterations 1 and 2
+    if augment_on == "worker":
+        assert "image_cf" not in first and "image_cf" in second and second["image_cf"].shape[1] == 2
+    else:
+        assert "image_cf" not in first and "image_cf" not in second and "tra_ops" not in second
