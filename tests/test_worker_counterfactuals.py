@@ -23,10 +23,13 @@ def _samples(n: int = 8) -> list[dict]:
     return [{k: v[i] for k, v in batch.items()} for i in range(n)]
 
 
-def _worker_run(schedule: bool, start: float, num_workers: int) -> tuple[torch.Tensor, list[int], int, list]:
-    """A paired-TRA run augmenting in the DataLoader (2 samples per batch, 4 batches per epoch, 2 epochs; updates
-    every 2nd iteration after a warm-up of ``start``): the final logits, the iterations whose batch held copies,
-    the updates made, and the first batch's op record."""
+def _worker_run(
+    schedule: bool, start: float, num_workers: int, epoch_length: int | None = None, resume_at: int = 0
+) -> tuple[torch.Tensor, list[int], int, list]:
+    """A paired-TRA run augmenting in the DataLoader (2 samples per batch, 4 batches of data, 2 epochs of
+    ``epoch_length`` iterations, by default the data's; updates every 2nd iteration after a warm-up of ``start``;
+    ``resume_at``: the engine starts from that many iterations done, as a resumed run): the final logits, the
+    iterations whose batch held copies, the updates made, and the batches' op records."""
     from helpers import lesion_batch, tiny_unet, train_engine
 
     set_determinism(seed=0)
@@ -50,7 +53,9 @@ def _worker_run(schedule: bool, start: float, num_workers: int) -> tuple[torch.T
     )
     engine.add_event_handler(Events.ITERATION_STARTED, lambda e: ops.append(e.state.batch["tra_ops"].clone()))
     updater.attach(engine)
-    engine.run(loader, max_epochs=2)
+    if resume_at:
+        engine.load_state_dict({"iteration": resume_at, "epoch_length": epoch_length, "max_epochs": 2})
+    engine.run(loader, max_epochs=2, epoch_length=epoch_length)
     set_determinism(None)
     return policy.logits.detach().clone(), with_copies, updater.updates, ops
 
@@ -64,6 +69,17 @@ def test_workers_make_copies_for_the_tra_updates_only_and_the_run_is_unchanged(s
     assert updates == every_updates == len(with_copies)  # none skipped: every update found its copies
     assert all(torch.equal(a, b) for a, b in zip(ops, every_ops, strict=True))  # the same samples drew the same ops
     assert torch.equal(logits, every_logits)  # the same draws, so the same policy trajectory
+
+
+@pytest.mark.parametrize("resume_at", [0, 3])
+def test_the_copies_follow_the_iterations_across_a_data_restart_mid_epoch_and_a_resume(resume_at: int) -> None:
+    """Epochs of 3 iterations over 4 batches of data: Ignite keeps the data's iterator across the epoch boundary and
+    restarts it within the second epoch; a resumed engine starts the data after 3 iterations done (odd, so a count
+    from 0 would put the copies on the wrong batches and the updates would find none)."""
+    logits, with_copies, updates, _ = _worker_run(True, 0.0, 0, epoch_length=3, resume_at=resume_at)
+    every_logits, _, every_updates, _ = _worker_run(False, 0.0, 0, epoch_length=3, resume_at=resume_at)
+    assert with_copies == ([2, 4, 6] if resume_at == 0 else [4, 6])
+    assert updates == every_updates == len(with_copies) and torch.equal(logits, every_logits)
 
 
 def test_the_sampler_counts_iterations_from_where_the_engine_is_when_the_data_starts() -> None:
