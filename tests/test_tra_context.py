@@ -182,6 +182,21 @@ def test_crop_with_context_places_the_centre_as_monai_does() -> None:
     assert out[0, :, 1, 1].tolist() == [-1.0, -1.0, 0.0, 1.0, 2.0, 3.0]  # centre voxel (index 3) is voxel 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+def test_crop_with_context_keeps_a_plain_tensor_plain_and_cuts_it_as_monai_cuts_a_metatensor(dtype) -> None:
+    """A plain tensor takes the fast path (a slice and torch's pad); a MetaTensor MONAI's SpatialCrop and Pad, which
+    record both steps. The voxels and the dtype are the same, inside the volume and beyond it."""
+    from monai.data import MetaTensor
+
+    img = (_rand(2, 24, 20, 28) * 200).to(dtype)
+    for centre in [(2, 3, 25), (12, 10, 14), (0, 19, 0), (23, 0, 27)]:
+        for size in [(10, 12, 8), (30, 30, 30), (7, 5, 9)]:
+            plain = crop_with_context(img, centre, size, fill=255)
+            meta = crop_with_context(MetaTensor(img), centre, size, fill=255)
+            assert type(plain) is torch.Tensor and isinstance(meta, MetaTensor) and len(meta.applied_operations)
+            assert plain.dtype == meta.dtype == dtype and torch.equal(plain, meta.as_tensor()), (centre, size)
+
+
 # -------------------------------------------------------------------------------------------- the cascades
 def _enlarged_patches(n: int, context: int) -> list[dict]:
     out = []
