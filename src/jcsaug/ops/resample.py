@@ -86,11 +86,12 @@ def check_out_size(in_size: Sequence[int], out_size: Sequence[int]) -> list[int]
 def separable_axis(matrix: torch.Tensor) -> int | None:
     """The axis ``a`` along which ``matrix`` [3, 3] acts on its own (zero off-diagonals in row and column ``a``),
     preferring the one whose diagonal entry is 1 (no 1D pass); ``None`` when there is none."""
+    m = matrix.tolist()  # nine Python floats: indexing the tensor element by element cost more than the resampling
     found = None
     for a in (0, 1, 2):
         others = [i for i in range(3) if i != a]
-        if bool((matrix[a, others] == 0).all()) and bool((matrix[others, a] == 0).all()):
-            if float(matrix[a, a]) == 1.0:
+        if all(m[a][i] == 0 and m[i][a] == 0 for i in others):
+            if m[a][a] == 1.0:
                 return a
             found = a if found is None else found
     return found
