@@ -94,6 +94,24 @@ def test_the_sampler_counts_iterations_from_where_the_engine_is_when_the_data_st
     assert [m for _, m in tagged] == [False, False, True, True, False, False, False]
 
 
+def test_a_wrapped_distributed_sampler_is_given_the_engines_epoch() -> None:
+    """As MONAI's trainer sets the epoch of a DistributedSampler it sees in the DataLoader (its shuffle depends on it),
+    the counterfactual sampler sets it on the sampler it wraps (multi_gpu_train.yaml)."""
+    from torch.utils.data import DistributedSampler
+
+    def order(epoch: int) -> list[int]:
+        reference = DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=5)
+        reference.set_epoch(epoch)
+        return list(reference)
+
+    wrapped = CounterfactualSampler(DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=5), 2)
+    engine = SimpleNamespace(state=SimpleNamespace(iteration=0, epoch=1))
+    wrapped.attach(engine)
+    assert [i for i, _ in wrapped] == order(1)
+    engine.state.epoch = 2
+    assert [i for i, _ in wrapped] == order(2) != order(1)
+
+
 def test_the_dataset_makes_copies_as_tagged_and_passes_plain_indices_through() -> None:
     cascade = TRACascaded("image", make_tra_policy("uniform", num_groups=2), label_keys="label", counterfactuals=2)
     dataset = CounterfactualDataset(Dataset(_samples(2), transform=cascade))

@@ -36,8 +36,12 @@ class CounterfactualSampler(Sampler):
     prefetching workers do not change that order. Until :meth:`attach` ed, or with ``counterfactuals_for=None``,
     every index is tagged ``True`` (copies on every batch, as without this sampler).
 
+    A wrapped sampler with ``set_epoch`` (``DistributedSampler``) is given the engine's epoch when its indices
+    start, as MONAI's trainer gives it to a ``DistributedSampler`` it finds in the DataLoader.
+
     Args:
-        sampler: the indices, e.g. ``RandomSampler(dataset)`` (as ``DataLoader(shuffle=True)`` draws them).
+        sampler: the indices, e.g. ``RandomSampler(dataset)`` (as ``DataLoader(shuffle=True)`` draws them) or a
+            ``DistributedSampler``.
         batch_size: the DataLoader's batch size.
         counterfactuals_for: the TRA updater whose update iterations need the copies.
     """
@@ -57,6 +61,9 @@ class CounterfactualSampler(Sampler):
 
     def __iter__(self) -> Iterator[tuple[Any, bool]]:
         schedule, engine = self.counterfactuals_for, self.engine
+        if engine is not None and hasattr(self.sampler, "set_epoch"):
+            # a DistributedSampler shuffles by its epoch; MONAI's trainer sets it only on a DistributedSampler it sees
+            self.sampler.set_epoch(engine.state.epoch)
         if schedule is None or engine is None:
             for index in self.sampler:
                 yield index, True
