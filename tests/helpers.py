@@ -141,6 +141,22 @@ def train_engine(net: torch.nn.Module, opt: torch.optim.Optimizer, loss: str = "
     return Engine(step)
 
 
+def paired_tra_training(start: float = 0.0) -> tuple:
+    """``(policy, engine, updater)``: a plain Ignite engine training a tiny U-Net, and a paired-estimator updater of
+    its uniform two-group TRA policy every 2nd iteration after a warm-up of ``start`` (call after
+    ``set_determinism``). The runs that check where the counterfactual copies are made build on it."""
+    from jcsaug.engine import TRAPolicyUpdater
+    from jcsaug.policy import make_tra_policy
+
+    policy = make_tra_policy("uniform", num_groups=2)
+    net = tiny_unet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    engine = train_engine(net, opt)
+    updater = TRAPolicyUpdater(policy, net, [lesion_batch(4, seed=99)], opt, lr=0.05, estimator="paired",
+                               update_every=2, start=start)  # fmt: skip
+    return policy, engine, updater
+
+
 def small_dataset(tmp_path: Path) -> None:
     """A smaller dataset than the bundle's default, generated first: the bundle then reuses it."""
     make_synthetic_dataset(tmp_path / "data", num_train=4, num_val=2, num_test=2, shape=(32, 32, 32), progress=False)

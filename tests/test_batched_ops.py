@@ -287,16 +287,11 @@ def test_copies_drawn_but_not_made_leave_the_samples_and_the_random_stream_as_th
 def _device_run(schedule: bool, start: float) -> tuple[torch.Tensor, list[int], int]:
     """A paired-TRA run augmenting on the device (updates every 2nd iteration after a warm-up of ``start``):
     the final logits, the iterations whose batch held copies, the updates made."""
-    from helpers import lesion_batch, tiny_unet, train_engine
-    from jcsaug.engine import DeviceAugmentation, TRAPolicyUpdater
+    from helpers import lesion_batch, paired_tra_training
+    from jcsaug.engine import DeviceAugmentation
 
     set_determinism(seed=0)
-    policy = make_tra_policy("uniform", num_groups=2)
-    net = tiny_unet()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    engine = train_engine(net, opt)
-    updater = TRAPolicyUpdater(policy, net, [lesion_batch(4, seed=99)], opt, lr=0.05, estimator="paired",
-                               update_every=2, start=start)  # fmt: skip
+    policy, engine, updater = paired_tra_training(start)
     cascade = BatchTRACascaded("image", policy, label_keys="label", device=DEVICE, counterfactuals=2)
     augment = DeviceAugmentation(cascade.set_random_state(0), counterfactuals_for=updater if schedule else None)
     augment.attach(engine)

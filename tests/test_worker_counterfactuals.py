@@ -12,7 +12,7 @@ from monai.data import DataLoader, Dataset
 from monai.utils import set_determinism
 from torch.utils.data import RandomSampler, SequentialSampler
 
-from jcsaug.engine import CounterfactualDataset, CounterfactualSampler, TRAPolicyUpdater
+from jcsaug.engine import CounterfactualDataset, CounterfactualSampler
 from jcsaug.policy import TRACascaded, make_tra_policy, making_counterfactuals
 
 
@@ -30,15 +30,10 @@ def _worker_run(
     ``epoch_length`` iterations, by default the data's; updates every 2nd iteration after a warm-up of ``start``;
     ``resume_at``: the engine starts from that many iterations done, as a resumed run): the final logits, the
     iterations whose batch held copies, the updates made, and the batches' op records."""
-    from helpers import lesion_batch, tiny_unet, train_engine
+    from helpers import paired_tra_training
 
     set_determinism(seed=0)
-    policy = make_tra_policy("uniform", num_groups=2)
-    net = tiny_unet()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    engine = train_engine(net, opt)
-    updater = TRAPolicyUpdater(policy, net, [lesion_batch(4, seed=99)], opt, lr=0.05, estimator="paired",
-                               update_every=2, start=start)  # fmt: skip
+    policy, engine, updater = paired_tra_training(start)
     cascade = TRACascaded("image", policy, label_keys="label", counterfactuals=2)
     dataset = Dataset(_samples(), transform=cascade)
     if schedule:
