@@ -1,7 +1,7 @@
 """The paired TRA's counterfactual copies made in the DataLoader workers only for the batches a TRA update scores.
 
 :class:`jcsaug.policy.TRACascaded` runs per sample in the workers, which do not know which iteration a sample is
-for. The sampler runs in the main process and does: :class:`CounterfactualSampler` tags each index with whether
+for; the sampler, in the main process, can know it. :class:`CounterfactualSampler` tags each index with whether
 its batch is one a TRA update will score, and :class:`CounterfactualDataset` makes the sample within
 :func:`jcsaug.policy.making_counterfactuals` of that tag. The copies of other batches are drawn but not made, so
 the random stream, and hence the run, is the same as with copies on every batch; only the work and the batch's
