@@ -17,7 +17,7 @@ context=)``, collation) through a ``DataLoader`` (``num_workers=0``: the work a 
 
 Both draw the same cases, centres and ops (same seeds; checked). Printed per (K, N): CPU time per batch (median of
 the repeats), the ratio update batches / every batch, and the batch's bytes (the tensors the workers hand to the
-main process and, on the training device, to it) in each arm. For information: no target.
+main process) in each arm. For information: no target.
 """
 
 from __future__ import annotations
