@@ -176,6 +176,72 @@ def test_context_crop_of_zero_is_the_crop_itself_and_other_crops_are_refused() -
         ContextCropd(make(), context=-1)
 
 
+class _PosNegCrop(RandCropByPosNegLabeld):
+    """Not in ContextCropd's registry of centre drawers: ContextCropd lets it cut the patches (MONAI's path)."""
+
+
+class _LabelClassesCrop(RandCropByLabelClassesd):
+    """As above, for RandCropByLabelClassesd."""
+
+
+@pytest.mark.parametrize(
+    "make_crop",
+    [
+        lambda cls, **kw: cls(["image", "label"], "label", spatial_size=(10, 12, 8), num_samples=5, **kw),
+        lambda cls, **kw: cls(["image", "label"], "label", spatial_size=(10, -1, 8), num_samples=5, **kw),
+        lambda cls, **kw: cls(
+            ["image", "label"], "label", spatial_size=(30, 12, 8), num_samples=5, allow_smaller=True, **kw
+        ),  # larger than the volume's 24 along the first axis
+    ],
+)
+@pytest.mark.parametrize("with_indices", [False, True])
+@pytest.mark.parametrize("crop_type", ["pos_neg", "label_classes"])
+def test_context_crop_of_plain_tensors_draws_alone_and_gives_what_monais_cuts_give(
+    make_crop, with_indices: bool, crop_type: str
+) -> None:
+    """The fast path (the crop draws the centres, each key is cut once) gives the patches of MONAI's path (the crop
+    cuts, each patch is cut again): the same keys in the same order, voxels, dtypes and deep-copied entries, an
+    indices entry dropped as the crop drops it, and the random stream left where MONAI's leaves it."""
+    from monai.transforms import ClassesToIndicesd, FgBgToIndicesd
+
+    if crop_type == "pos_neg":
+        registered, unregistered = RandCropByPosNegLabeld, _PosNegCrop
+        indices = FgBgToIndicesd("label")
+        kwargs = {"fg_indices_key": "label_fg_indices", "bg_indices_key": "label_bg_indices"} if with_indices else {}
+    else:
+        registered, unregistered = RandCropByLabelClassesd, _LabelClassesCrop
+        indices = ClassesToIndicesd("label", num_classes=3)
+        kwargs = {"num_classes": 3, **({"indices_key": "label_cls_indices"} if with_indices else {})}
+    volume = {**_volume(), "name": "case_7", "spacing": np.array([1.0, 1.0, 2.5])}
+    volume["label"] = volume["label"].to(torch.uint8)
+    if with_indices:
+        volume = indices(volume)
+    fast_crop, monai_crop = (
+        ContextCropd(make_crop(cls, **kwargs), context=(5, 4, 6), fill={"label": 255}).set_random_state(4)
+        for cls in (registered, unregistered)
+    )
+    fast, through_monai = fast_crop(dict(volume)), monai_crop(dict(volume))
+    assert len(fast) == len(through_monai) == 5
+    for f, m in zip(fast, through_monai):
+        assert list(f) == list(m) and not any(k.endswith("indices") for k in f)
+        for key in ("image", "label"):
+            assert type(f[key]) is torch.Tensor and f[key].dtype == volume[key].dtype
+            assert torch.equal(f[key], torch.as_tensor(m[key])), key
+        assert f["name"] == "case_7" and np.array_equal(f["spacing"], m["spacing"])
+        assert f["spacing"] is not volume["spacing"] and f["spacing"] is not m["spacing"]  # deep copies
+    assert fast_crop.crop.cropper.R.rand() == monai_crop.crop.cropper.R.rand()
+
+
+def test_context_crop_of_a_metatensor_keeps_monais_path() -> None:
+    """A MetaTensor is cut by the crop itself, so its patches carry MONAI's record of the crop."""
+    from monai.data import MetaTensor
+
+    volume = {key: MetaTensor(value) for key, value in _volume().items()}
+    crop = RandCropByPosNegLabeld(["image", "label"], "label", spatial_size=(10, 12, 8), num_samples=2)
+    patches = ContextCropd(crop, context=2).set_random_state(0)(volume)
+    assert all(isinstance(p["image"], MetaTensor) and len(p["image"].applied_operations) for p in patches)
+
+
 def test_crop_with_context_places_the_centre_as_monai_does() -> None:
     img = torch.arange(10.0).reshape(1, 10, 1, 1).expand(1, 10, 3, 3)
     out = crop_with_context(img, (1, 1, 1), (6, 3, 3), fill=-1)
