@@ -168,8 +168,10 @@ def run_bundle(tmp_path: Path, *configs: str, check: bool = True, **overrides) -
     config_file = files[0] if len(files) == 1 else str(files)
     args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", config_file,
             "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf")]  # fmt: skip
-    # patches smaller than small_dataset's 32³ volumes, so crops centre on both classes (both class groups)
-    defaults = {"dataset_dir": tmp_path / "data", "output_dir": tmp_path / "run", "patch_size": "[24,24,24]"}
+    # patches smaller than small_dataset's 32³ volumes, so crops centre on both classes (both class groups); no
+    # figures unless a test asks (plots=True): drawing them is a few seconds per run, and tests/test_viz.py tests them
+    defaults = {"dataset_dir": tmp_path / "data", "output_dir": tmp_path / "run", "patch_size": "[24,24,24]",
+                "plots": False}  # fmt: skip
     overrides = {**defaults, **overrides}
     for key, value in overrides.items():
         args += [f"--{key}", str(value)]

@@ -22,7 +22,7 @@ def trained(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bundle")
     small_dataset(tmp_path)
     result = run_bundle(tmp_path, "train.yaml", max_epochs=2, epoch_length=2, num_workers=0,
-                     tra_update_every=1, tea_update_every=1)  # fmt: skip
+                     tra_update_every=1, tea_update_every=1, plots=True)  # fmt: skip
     return tmp_path, result
 
 
@@ -53,6 +53,7 @@ def test_train_writes_checkpoints_policies_and_metrics(trained):
     assert re.search(r"test Dice .*: none \d\.\d{3}, learned \d\.\d{3}", summary)
     assert "TRA group 1 (foreground), most changed: " in summary and "TEA, most changed: " in summary
     assert "TRA policy updates: " in summary and str(run / "policies.png") in summary
+    assert (run / "policies.png").stat().st_size and (run / "policy_history.png").stat().st_size
     shown = subprocess.run([sys.executable, "-m", "jcsaug.cli", "policy", "show", str(run / "policies.json")],
                            capture_output=True, text=True, check=True)  # fmt: skip
     assert "TRA policy, class group 1" in shown.stdout and "TEA policy" in shown.stdout
@@ -93,6 +94,7 @@ def test_modes_are_overridable(tmp_path):
             tea_mode="none")  # fmt: skip
     tra, tea = load_policies(tmp_path / "run" / "policies.json")
     assert tra.num_groups == 1 and tea is None
+    assert not list((tmp_path / "run").glob("*.png"))  # run_bundle's plots=False: no figures
     assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())) == {"none", "policy_updates"}
 
 

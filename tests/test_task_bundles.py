@@ -41,7 +41,8 @@ SMALL_DEEPMEDIC = "{'feature_maps': [4,4,4,4,4,4,4,4], 'fc_feature_maps': [8,8]}
 #: a small UNETR (the transformer of 16-divisible patches)
 SMALL_UNETR = "{'hidden_size': 16, 'mlp_dim': 16, 'num_heads': 2, 'feature_size': 2}"
 TINY = {"max_epochs": 1, "epoch_length": 4, "num_workers": 0, "cases_per_batch": 2, "samples_per_case": 4,
-        "val_batch_size": 4, "num_tea_copies": 2, "tea_z": 2, "tra_update_every": 1, "tea_update_every": 1}  # fmt: skip
+        "val_batch_size": 4, "num_tea_copies": 2, "tea_z": 2, "tra_update_every": 1, "tea_update_every": 1,
+        "plots": False}  # fmt: skip
 #: the share of TRA updates a tiny run may skip ("the training batch holds one class group only"): patch centres
 #: are drawn class by class with equal ratios, so a batch of 8 patches holds no background patch with probability
 #: ((C-1)/C)^8 for C classes: 0.004 (2 classes), 0.04 (KiTS), 0.1 (cardiac), 0.55 (BTCV, 14 classes)

@@ -203,6 +203,16 @@ def test_policy_plotter_without_history_or_on_other_ranks(tmp_path, monkeypatch)
     assert not (tmp_path / "b").exists()
 
 
+def test_policy_plotter_disabled_draws_nothing(tmp_path):
+    """``enabled=False`` (the bundles' ``plots: false``): no figure at the end, nor when called."""
+    tra, tea = _trained_policies()
+    engine = Engine(lambda e, b: None)
+    plotter = PolicyPlotter(tmp_path / "run", tra, tea, enabled=False)
+    plotter.attach(engine)
+    engine.run([0], max_epochs=1)
+    assert plotter() == [] and not (tmp_path / "run").exists()
+
+
 def test_policy_plotter_without_matplotlib_warns_once(tmp_path, monkeypatch, caplog):
     _no_matplotlib(monkeypatch)
     tra, tea = _trained_policies()

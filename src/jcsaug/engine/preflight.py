@@ -352,7 +352,7 @@ def _validators() -> dict[str, Any]:
         "tra_lookahead": _at_least(1),
         "val_average": _fraction(low_open=True),
         "cache_rate": _fraction(low_open=False),
-        **dict.fromkeys(("resume", "overwrite", "train_on_val", "tea_sliding_window", "tra_val_tea"), _flag),
+        **dict.fromkeys(("resume", "overwrite", "train_on_val", "tea_sliding_window", "tra_val_tea", "plots"), _flag),
         "keep_largest_component": _component_classes,
         "tra_mode": _one_of(TRA_MODES),
         "tea_mode": _one_of(TEA_MODES),

@@ -22,7 +22,8 @@ class PolicyPlotter:
     ``output_dir/policy_history.png``. Calling it draws them now.
 
     Plotting never fails training: without matplotlib one warning is logged and nothing is drawn;
-    any other plotting error is logged as a warning.
+    any other plotting error is logged as a warning. ``enabled=False`` draws nothing (the bundles' ``plots: false``:
+    runs that need no figures, e.g. the many seeds of a benchmark, each a few seconds shorter).
     """
 
     def __init__(
@@ -32,8 +33,10 @@ class PolicyPlotter:
         tea_policy: CategoricalPolicy | None = None,
         top_k: int = 12,
         history_top_k: int = 8,
+        enabled: bool = True,
     ) -> None:
         self.output_dir = Path(output_dir)
+        self.enabled = bool(enabled)
         self.tra_policy, self.tea_policy = tra_policy, tea_policy
         self.top_k, self.history_top_k = top_k, history_top_k
         # the start the change panels compare against (copies: the policies are learned in place)
@@ -47,7 +50,7 @@ class PolicyPlotter:
 
     def __call__(self, engine: Engine | None = None) -> list[Path]:
         """Write the figures now; returns the written paths (none on ranks other than 0)."""
-        if idist.get_rank() != 0 or (self.tra_policy is None and self.tea_policy is None):
+        if not self.enabled or idist.get_rank() != 0 or (self.tra_policy is None and self.tea_policy is None):
             return []
         drawn = [p.logits.detach().clone() for p in (self.tra_policy, self.tea_policy) if p is not None]
         if self._written and all(torch.equal(a, b) for a, b in zip(drawn, self._drawn)):
