@@ -152,11 +152,11 @@ def _draw_tra_group(ax: Any, tra: CategoricalPolicy, probs: list[np.ndarray], gr
         cmap = matplotlib.colormaps[_SERIES_CMAPS[s % len(_SERIES_CMAPS)]]
         p = probs[s][group]
         n = len(p)
-        left = 0.0
-        for j, w in enumerate(p):
-            shade = 0.12 + 0.78 * (j / (n - 1) if n > 1 else 0.0)
-            colour = cmap(shade)
-            ax.barh(y, w, left=left, height=0.8, color=colour, edgecolor="white", linewidth=0.4)
+        shades = [0.12 + 0.78 * (j / (n - 1) if n > 1 else 0.0) for j in range(n)]
+        lefts = np.concatenate([[0.0], np.cumsum(p)[:-1]])
+        # one call per series (a call per op took a fifth of the figure's time)
+        ax.barh([y] * n, p, left=lefts, height=0.8, color=[cmap(c) for c in shades], edgecolor="white", linewidth=0.4)
+        for j, (w, left, shade) in enumerate(zip(p, lefts, shades)):
             if w >= 0.07:
                 label = _segment_label(tra.series_names[s], tra.op_names[s][j])
                 if w >= 0.2:
@@ -166,7 +166,6 @@ def _draw_tra_group(ax: Any, tra: CategoricalPolicy, probs: list[np.ndarray], gr
                     left + w / 2, y, label, ha="center", va="center", fontsize=6,
                     color="white" if dark else "black", clip_on=True,
                 )  # fmt: skip
-            left += w
     ax.set_xlim(0, 1)
     ax.set_ylim(-0.6, n_series - 0.4)
     ax.set_yticks(range(n_series))
