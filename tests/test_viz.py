@@ -301,3 +301,27 @@ def test_cli_gallery_learned_policy(tmp_path, nifti_file, capsys):
     assert run_gallery(args) == 0
     assert capsys.readouterr().out.strip() == str(out)
     _check_png(out, gallery_figsize(len(TEA_OPS), 3), 30)
+
+
+def test_tra_panel_stacks_each_series_ops_by_their_probabilities():
+    """Each series' row of a TRA group's panel: one bar per op, as wide as its probability, each starting where the
+    one before ends, so the row fills [0, 1]."""
+    from matplotlib.figure import Figure
+
+    from jcsaug.viz.plots import _draw_tra_group
+
+    tra, _ = _trained_policies()
+    probs = [p.numpy() for p in tra.probabilities()]
+    ax = Figure().subplots()
+    _draw_tra_group(ax, tra, probs, group=1, show_names=True)
+    bars = ax.patches
+    assert len(bars) == sum(len(p[1]) for p in probs)
+    start = 0
+    for s, p in enumerate(probs):
+        row = bars[start : start + len(p[1])]
+        start += len(p[1])
+        y = tra.num_series - 1 - s
+        assert all(bar.get_y() + bar.get_height() / 2 == pytest.approx(y) for bar in row)
+        assert [bar.get_width() for bar in row] == pytest.approx(p[1].tolist())
+        assert [bar.get_x() for bar in row] == pytest.approx(np.concatenate([[0.0], np.cumsum(p[1])[:-1]]).tolist())
+        assert len({bar.get_facecolor() for bar in row}) == len(row)  # shades of the series' colour map
