@@ -80,7 +80,7 @@ def _patch_shape(spatial_shape: Sequence[int], centre: Sequence[int], size: Sequ
     """The spatial shape of MONAI's ``SpatialCrop(roi_center=centre, roi_size=size)`` cut of a volume of that shape
     (``size`` falls back to the volume's where it is not positive, as the random crops' own cut does)."""
     size = fall_back_tuple(size, default=tuple(int(n) for n in spatial_shape))
-    slices = Crop.compute_slices(roi_center=[int(c) for c in centre], roi_size=size)
+    slices = Crop.compute_slices(roi_center=centre, roi_size=size)
     return [len(range(int(n))[cut]) for n, cut in zip(spatial_shape, slices)]
 
 
@@ -159,10 +159,11 @@ class ContextCropd(Randomizable, MapTransform):
                 f"ContextCropd: {type(self.crop).__name__} gave {len(patches)} patches but "
                 f"{0 if centres is None else len(centres)} centres"
             )
+        centres = [[int(c) for c in centre] for centre in centres]
         for key in self.key_iterator(dict(data)):
             for patch, centre in zip(patches, centres):
                 enlarged = [s + 2 * c for s, c in zip(patch[key].shape[1:], self.context)]  # the patch as cut
-                patch[key] = crop_with_context(data[key], [int(c) for c in centre], enlarged, self._fill(key))
+                patch[key] = crop_with_context(data[key], centre, enlarged, self._fill(key))
         return patches
 
     def _cut_around_drawn_centres(self, drawer: Callable[[MapTransform, dict], None], data: Mapping) -> list[dict]:
@@ -174,6 +175,7 @@ class ContextCropd(Randomizable, MapTransform):
         centres = self.crop.cropper.centers
         if centres is None:
             raise RuntimeError(f"ContextCropd: {type(self.crop).__name__} drew no patch centres")
+        centres = [[int(c) for c in centre] for centre in centres]
         patches = [dict(d) for _ in centres]
         for key in set(d).difference(self.crop.keys):
             for patch in patches:
@@ -181,7 +183,6 @@ class ContextCropd(Randomizable, MapTransform):
         for key in self.key_iterator(d):
             img, fill = d[key], self._fill(key)
             for patch, centre in zip(patches, centres):
-                centre = [int(c) for c in centre]
                 cut = _patch_shape(img.shape[1:], centre, self.crop.cropper.spatial_size)
                 patch[key] = crop_with_context(img, centre, [s + 2 * c for s, c in zip(cut, self.context)], fill)
         return patches
