@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jcsaug.tasks.prepare as prepare_module
-from fake_raw import TASK_NAMES, make_fake_raw, raw_case_files
+from fake_raw import MNMS_CASES, TASK_NAMES, make_fake_raw, raw_case_files
 from jcsaug.data import intensity_normalisation
 from jcsaug.tasks import PrepareError, RawCase, get_task, load_split, paper_setting, prepare_task
 from jcsaug.tasks.splits import half_subset, scaled_sizes
@@ -379,3 +379,56 @@ def test_max_cases_must_be_positive_and_keeps_that_many_subjects(tmp_path):
     assert not (tmp_path / "data").exists()  # refused before anything is written
     cases = get_task("btcv_abdomen").find_cases(raw, False)
     assert len(prepare_module._subset(cases, 3, seed=0)) == 3 and prepare_module._subset(cases, None, 0) == cases
+
+
+def _prepared_arrays(data: Path, case: str) -> tuple[np.ndarray, np.ndarray]:
+    """(image, label) arrays of a prepared case; StopIteration if no split holds it."""
+    datalist = json.loads((data / "dataset.json").read_text())
+    splits = ("training", "validation", "test", "test_source", "test_seen")
+    entry = next(e for split in splits for e in datalist.get(split, []) if e["case"] == case)
+    return tuple(np.asarray(nib.load(str(data / entry[key])).dataobj) for key in ("image", "label"))
+
+
+def test_mscmrseg_labels_become_lv_myocardium_rv(prepared):
+    """DATASETS.md: MS-CMRSeg stores 500 / 200 / 600 = LV / myocardium / RV, remapped to M&Ms' 1 / 2 / 3 (the fake
+    data is at the task's spacing and RAS, so the prepared label is the raw one voxel for voxel, remapped)."""
+    raw, data = prepared["cardiac_crosssequence"]
+    assert get_task("cardiac_crosssequence").labels == {0: "background", 1: "LV blood pool", 2: "LV myocardium",
+                                                        3: "RV blood pool"}  # fmt: skip
+    for raw_case, case in (("patient1_C0", "patient01_C0"), ("patient3_LGE", "patient03_LGE")):
+        raw_label = np.asarray(nib.load(str(raw_case_files("cardiac_crosssequence", raw)[raw_case][1])).dataobj)
+        _, label = _prepared_arrays(data, case)
+        expected = np.select([raw_label == 500, raw_label == 200, raw_label == 600], [1, 2, 3], 0)
+        assert len(np.unique(expected)) == 4  # every class present, with different voxel counts (a swap shows)
+        np.testing.assert_array_equal(label, expected)
+
+
+def test_mnms_volumes_are_the_csv_ed_and_es_frames_of_image_and_label(prepared):
+    """DATASETS.md: M&Ms `_sa` / `_sa_gt` are 4D (x, y, z, t); `<code>_ED` / `<code>_ES` are the frames the CSV's
+    0-based ED / ES columns name, the image's and the label's the same frame (the fake ES heart is smaller, and its
+    other frames' labels are empty, so an off-by-one, a swap or a mismatch fails)."""
+    raw, data = prepared["cardiac_crosssite"]
+    frames = {code: {"ED": ed, "ES": es} for _, code, *_, ed, es in MNMS_CASES}
+    files = raw_case_files("cardiac_crosssite", raw)
+    checked = 0
+    for code, (image_path, label_path) in files.items():
+        raw_image, raw_label = (np.asarray(nib.load(str(p)).dataobj) for p in (image_path, label_path))
+        for phase, frame in frames[code].items():
+            try:
+                image, label = _prepared_arrays(data, f"{code}_{phase}")
+            except StopIteration:  # a Validation case of a seen centre: in no split (the paper's rule)
+                continue
+            np.testing.assert_array_equal(label, raw_label[..., frame])
+            np.testing.assert_allclose(image, raw_image[..., frame], rtol=1e-6)
+            checked += 1
+    assert checked >= 16
+
+
+def test_prostate_source_site_trains_on_its_first_cases(prepared):
+    """DATASETS.md: BMC Case00-19 train, the following cases are the source-domain test (`test_source`); scaled down
+    on the fake data, the order holds."""
+    datalist = json.loads((prepared["prostate_crosssite"][1] / "dataset.json").read_text())
+    train = [int(e["case"].removeprefix("BMC_Case")) for e in datalist["training"]]
+    test_source = [int(e["case"].removeprefix("BMC_Case")) for e in datalist["test_source"]]
+    assert train and test_source and max(train) < min(test_source)
+    assert sorted(train + test_source) == list(range(len(train) + len(test_source)))

@@ -13,9 +13,10 @@ __all__ = ["intensity_normalisation"]
 def intensity_normalisation(dataset_dir: str | Path, keys: str | Sequence[str] = ("image",)) -> MapTransform:
     """The dataset's normalisation (``dataset.json`` ``normalisation``) as a MONAI dictionary transform.
 
-    MR (``zscore``): case-wise z-score, MONAI ``NormalizeIntensityd``. CT (``ct``): clip to the training
-    foreground's 0.5-99.5 percentiles, then subtract the foreground mean and divide by its std -- one linear map
-    with clipping, i.e. MONAI ``ScaleIntensityRanged`` with ``b_min/b_max`` = the normalised clip bounds.
+    MR (``zscore``): case-wise z-score, MONAI ``NormalizeIntensityd``. CT (``ct``): clip to the 0.5-99.5
+    percentiles of the training and validation cases' foreground (``jcsaug prepare``; every training fraction of a
+    task shares them), then subtract the foreground mean and divide by its std -- one linear map with clipping,
+    i.e. MONAI ``ScaleIntensityRanged`` with ``b_min/b_max`` = the normalised clip bounds.
     """
     from jcsaug.tasks.settings import read_datalist
 

@@ -6,7 +6,8 @@ the task's spacing (MONAI ``Spacing``: bilinear image, nearest label) and write 
 ``labels/<case>.nii.gz``. Then split with the paper's rule (seeded) and write ``dataset.json`` (MONAI/Decathlon
 datalist: ``training``, ``validation``, ``test``, and ``training_50`` / ``test_source`` ... where the paper has
 them) with the nnU-Net intensity statistics that :func:`jcsaug.data.intensity_normalisation` applies at load time
-(MR: case-wise z-score; CT: clip to the 0.5-99.5 percentiles of training foreground voxels, dataset z-score).
+(MR: case-wise z-score; CT: clip to the 0.5-99.5 percentiles of the training and validation cases' foreground
+voxels, dataset z-score).
 
 Every file is written through a temporary file and renamed, and a case counts as done only once its record
 (``.prepare/cases/<case>.json``) exists, so an interrupted run resumes where it stopped and a re-run skips
@@ -261,7 +262,9 @@ def normalisation_stats(spec: TaskSpec, out_dir: Path, case_ids: Sequence[str]) 
         return {"scheme": "zscore"}
     samples = np.concatenate([np.load(_paths(out_dir, c)[3]) for c in case_ids])
     if samples.size == 0:
-        raise PrepareError(f"no foreground voxels in the training cases of {out_dir}: cannot compute CT statistics")
+        raise PrepareError(
+            f"no foreground voxels in the training and validation cases of {out_dir}: cannot compute CT statistics"
+        )
     lo, hi = np.percentile(samples, [0.5, 99.5])
     return {
         "scheme": "ct",
