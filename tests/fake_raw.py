@@ -282,3 +282,42 @@ def make_fake_raw(task: str, root: Path, seed: int = 0) -> Path:
     raw.mkdir(parents=True, exist_ok=True)
     _WRITERS[task](np.random.default_rng(seed), raw, _cases(task, raw))
     return raw
+
+
+#: ATLAS R1.x fake: (site, subject id, timepoints, lesion files)
+ATLAS_R1_SUBJECTS = (
+    ("Site1", "031768", ("t01",), 1),
+    ("Site1", "031806", ("t01",), 2),  # a second lesion in `_LesionSmooth_1_stx`
+    ("Site1", "031810", ("t01", "t02"), 1),  # two scans: the first is used
+    ("Site1", "031811", ("t01",), 1),
+    ("Site2", "031900", ("t01",), 1),
+    ("Site2", "031901", ("t01",), 1),
+    ("Site2", "031902", ("t01",), 1),
+    ("Site2", "031903", ("t01",), 1),
+)
+
+
+def make_fake_atlas_r1(root: Path, seed: int = 0) -> Path:
+    """ATLAS R1.1 as public loaders read it (DATASETS.md): ``Site<k>/<ID>/t01/<ID>_t1w_deface_stx.nii.gz`` and
+    float lesion masks ``<ID>_LesionSmooth_stx.nii.gz`` (``_LesionSmooth_1_stx`` for a second lesion), each lesion
+    1.0 inside and 0.3 on a smooth rim; returns the raw folder."""
+    rng = np.random.default_rng(seed)
+    raw = Path(root) / "ATLAS_R1.1"
+    shape, aff = (28, 30, 26), np.eye(4)
+    for site, subject, timepoints, lesions in ATLAS_R1_SUBJECTS:
+        for tp in timepoints:
+            folder = raw / site / subject / tp
+            head = _ellipsoid(shape, np.array(shape) / 2 - 0.5, tuple(s * 0.6 for s in shape))
+            masks = []
+            for _ in range(lesions):
+                centre, radii = rng.integers(8, np.array(shape) - 8), np.array(rng.uniform(2.5, 4, 3))
+                mask = np.where(_ellipsoid(shape, centre, tuple(radii + 1.5)), 0.3, 0.0)
+                mask[_ellipsoid(shape, centre, tuple(radii))] = 1.0
+                masks.append(mask.astype(np.float32))
+            lesion = (np.max(masks, axis=0) > 0.5).astype(np.uint8)
+            img = np.where(head, _intensity(rng, lesion, {0: 100.0, 1: 40.0}, 10.0), rng.normal(5, 2, shape))
+            _save(img.astype(np.float32), aff, folder / f"{subject}_t1w_deface_stx.nii.gz")
+            for k, mask in enumerate(masks):
+                name = f"{subject}_LesionSmooth_stx.nii.gz" if k == 0 else f"{subject}_LesionSmooth_{k}_stx.nii.gz"
+                _save(mask, aff, folder / name)
+    return raw

@@ -432,3 +432,59 @@ def test_prostate_source_site_trains_on_its_first_cases(prepared):
     test_source = [int(e["case"].removeprefix("BMC_Case")) for e in datalist["test_source"]]
     assert train and test_source and max(train) < min(test_source)
     assert sorted(train + test_source) == list(range(len(train) + len(test_source)))
+
+
+def test_atlas_r1_one_scan_per_subject_lesion_files_united_and_thresholded(tmp_path):
+    """ATLAS R1.x (the release the paper used): one case per subject (its first scan), its `LesionSmooth` files
+    united and binarised at > 0.5 (the masks' 0.3 rim is background), the site folder as the domain."""
+    from fake_raw import ATLAS_R1_SUBJECTS, make_fake_atlas_r1
+    from jcsaug.tasks.layouts import find_atlas
+
+    raw = make_fake_atlas_r1(tmp_path)
+    cases = {c.case_id: c for c in find_atlas(raw)}
+    assert sorted(cases) == sorted(s[1] for s in ATLAS_R1_SUBJECTS)
+    assert cases["031810"].image.parent.name == "t01"
+    assert {c.domain for c in cases.values()} == {"Site1", "Site2"}
+    assert [p.name for p in cases["031806"].extra_labels] == ["031806_LesionSmooth_1_stx.nii.gz"]
+    assert cases["031806"].label.name == "031806_LesionSmooth_stx.nii.gz"
+    assert all(not c.extra_labels for k, c in cases.items() if k != "031806")
+
+    prepare_task("atlas_stroke", raw, tmp_path / "data", progress=False)
+    datalist = json.loads((tmp_path / "data" / "dataset.json").read_text())
+    assert sum(datalist["num_cases"][s] for s in ("training", "validation", "test")) == len(ATLAS_R1_SUBJECTS)
+    case = cases["031806"]
+    masks = [np.asarray(nib.load(str(p)).dataobj) for p in (case.label, *case.extra_labels)]
+    assert all(np.allclose(np.unique(m), [0.0, 0.3, 1.0]) for m in masks)  # the rim: 0.3
+    _, label = _prepared_arrays(tmp_path / "data", "031806")
+    np.testing.assert_array_equal(label, (np.maximum(*masks) > 0.5).astype(label.dtype))
+    record = json.loads((tmp_path / "data" / prepare_module.STATE_DIR / "cases" / "031806.json").read_text())
+    assert record["source_extra_labels"] == [str(case.extra_labels[0])]
+
+
+def test_atlas_r1_lesion_files_must_share_a_grid_and_a_changed_one_is_prepared_again(tmp_path):
+    from fake_raw import make_fake_atlas_r1
+    from jcsaug.tasks.layouts import find_atlas
+
+    raw = make_fake_atlas_r1(tmp_path)
+    case = next(c for c in find_atlas(raw) if c.extra_labels)
+    spec = get_task("atlas_stroke")
+    prepare_module.prepare_case(spec, case, tmp_path / "out")
+    assert prepare_module._done(tmp_path / "out", case) is not None
+    extra = case.extra_labels[0]
+    _rewrite(extra, np.zeros((28, 30, 25), np.float32))
+    assert prepare_module._done(tmp_path / "out", case) is None  # its stamp changed: prepared again
+    with pytest.raises(PrepareError, match=rf"case {case.case_id}: label .*{extra.name} \(shape \(28, 30, 25\)\) "
+                                           r"does not match"):  # fmt: skip
+        prepare_module.prepare_case(spec, case, tmp_path / "out")
+    _rewrite(extra, np.full((28, 30, 26), np.nan, np.float32))
+    with pytest.raises(PrepareError, match=r"NaN/Inf voxels"):
+        prepare_module.prepare_case(spec, case, tmp_path / "out")
+
+
+def test_atlas_without_either_release_names_both_layouts(tmp_path):
+    from jcsaug.tasks.layouts import find_atlas
+
+    with pytest.raises(
+        PrepareError, match=r"T1w\.nii\.gz \(ATLAS v2\.0\) or .*LesionSmooth_stx\.nii\.gz \(ATLAS R1\.x\)"
+    ):
+        find_atlas(tmp_path)

@@ -16,6 +16,7 @@ from jcsaug.tasks.spec import PrepareError, RawCase
 
 __all__ = [
     "find_atlas",
+    "find_atlas_r1",
     "find_btcv",
     "find_kits19",
     "find_mnms",
@@ -49,7 +50,8 @@ def _no_cases(raw_dir: Path, expected: str) -> PrepareError:
 
 
 def find_atlas(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
-    """ATLAS v2.0 BIDS: ``Training/R*/sub-*/ses-*/anat/*_T1w.nii.gz`` + ``*_label-L_desc-T1lesion_mask.nii.gz``."""
+    """ATLAS v2.0 BIDS (``Training/R*/sub-*/ses-*/anat/*_T1w.nii.gz`` + ``*_label-L_desc-T1lesion_mask.nii.gz``) or,
+    where the folder holds no v2.0 image, the R1.x release the paper used (:func:`find_atlas_r1`)."""
     cases = []
     for image in sorted(raw_dir.rglob("*_T1w" + NII)):
         if "Testing" in _relative_parts(image, raw_dir):  # v2.0 test masks are hidden
@@ -60,8 +62,60 @@ def find_atlas(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
         if label is not None:
             site = re.match(r"sub-(r\d+)", case_id)
             cases.append(RawCase(case_id, image, label, domain=site.group(1) if site else ""))
+    if cases:
+        return cases
+    cases = find_atlas_r1(raw_dir, skip_unlabelled)
     if not cases:
-        raise _no_cases(raw_dir, "Training/R001/sub-r001s001/ses-1/anat/sub-r001s001_ses-1_..._T1w.nii.gz (ATLAS v2.0)")
+        raise _no_cases(
+            raw_dir,
+            "Training/R001/sub-r001s001/ses-1/anat/sub-r001s001_ses-1_..._T1w.nii.gz (ATLAS v2.0) or "
+            "Site1/031768/t01/031768_t1w_deface_stx.nii.gz + 031768_LesionSmooth_stx.nii.gz (ATLAS R1.x)",
+        )
+    return cases
+
+
+#: ATLAS R1.x: ``<ID>_t1w_deface_stx`` (R1.1) or ``<ID>_t1w_stx`` (v1.2) images, lesion masks ``<ID>_LesionSmooth_stx``
+#: and ``<ID>_LesionSmooth_<k>_stx`` (one file per further lesion) in the same folder, ``.nii.gz`` or ``.nii``
+_ATLAS_R1_IMAGE = re.compile(r"^(?P<id>.+?)_t1w(_deface)?_stx\.nii(\.gz)?$")
+ATLAS_R1_THRESHOLD = 0.5
+"""R1.x lesion masks are binarised at > 0.5, as the public loaders do (DATASETS.md: "Masks are thresholded (>0.5)
+by some loaders; check value range"); a 0/1 or 0/255 mask is unchanged by it."""
+
+
+def find_atlas_r1(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]:
+    """ATLAS R1.x (``Site<k>/<ID>/t01/<ID>_t1w_deface_stx.nii.gz`` + ``<ID>_LesionSmooth_stx.nii.gz`` and
+    ``<ID>_LesionSmooth_<k>_stx.nii.gz`` for further lesions; v1.2's ``<ID>_t1w_stx`` naming too): one case per
+    subject, its first scan (R1.1 has 229 scans of 220 subjects; the paper used 220 images), its lesion files
+    united and binarised at :data:`ATLAS_R1_THRESHOLD`. The domain is the ``Site<k>`` folder where there is one.
+
+    This layout is the one public loaders read, not confirmed by an official description (DATASETS.md).
+    """
+    scans: dict[str, list[tuple[Path, str]]] = {}
+    for image in sorted(raw_dir.rglob("*_stx.nii*")):
+        match = _ATLAS_R1_IMAGE.match(image.name)
+        if match is None or not image.is_file():
+            continue
+        scan_id = match.group("id")
+        subject = re.sub(r"t\d+$", "", scan_id) if re.fullmatch(r"c\d+s\d+t\d+", scan_id) else scan_id
+        scans.setdefault(subject, []).append((image, scan_id))
+    cases = []
+    for subject, found in sorted(scans.items()):
+        image, scan_id = found[0]  # sorted paths: t01 before t02
+        if len(found) > 1:
+            logger.info("ATLAS R1.x subject %s: %d scans; the first (%s) is used", subject, len(found), image)
+        masks = sorted(
+            p for p in image.parent.glob(f"{scan_id}_LesionSmooth*_stx.nii*")
+            if re.fullmatch(rf"{re.escape(scan_id)}_LesionSmooth(_\d+)?_stx\.nii(\.gz)?", p.name)
+        )  # fmt: skip
+        main = [p for p in masks if "_LesionSmooth_stx" in p.name]
+        label = main[0] if main else (masks[0] if masks else image.with_name(f"{scan_id}_LesionSmooth_stx" + NII))
+        label = _label_or_missing(subject, label, skip_unlabelled)
+        if label is None:
+            continue
+        site = next((part for part in _relative_parts(image, raw_dir) if re.fullmatch(r"Site\d+", part)), "")
+        extra = tuple(p for p in masks if p != label)
+        cases.append(RawCase(subject, image, label, domain=site, subject=subject, extra_labels=extra,
+                             label_threshold=ATLAS_R1_THRESHOLD))  # fmt: skip
     return cases
 
 

@@ -71,6 +71,29 @@ def _as_3d(array: np.ndarray, frame: int | None, case_id: str, what: str, path: 
     return array
 
 
+def _read_label(case: RawCase) -> tuple[np.ndarray, np.ndarray]:
+    """The case's 3D label and its affine: ``label`` united voxel by voxel with ``extra_labels`` (each must match
+    it in shape and affine), binarised at ``label_threshold`` where the case has one."""
+    label, affine = _read(case.label, "label", case.case_id)
+    label = _as_3d(label, case.frame, case.case_id, "label", case.label)
+    for path in case.extra_labels:
+        more, more_affine = _read(path, "label", case.case_id)
+        more = _as_3d(more, case.frame, case.case_id, "label", path)
+        if more.shape != label.shape or not np.allclose(more_affine, affine, rtol=1e-3, atol=1e-3):
+            raise PrepareError(
+                f"case {case.case_id}: label {path} (shape {more.shape}) does not match {case.label} (shape "
+                f"{label.shape}) in shape or affine; the lesion files of a case must share one grid"
+            )
+        label = np.maximum(label, more)
+    if case.label_threshold is not None:
+        bad = int((~np.isfinite(label)).sum()) if not np.issubdtype(label.dtype, np.integer) else 0
+        if bad:  # NaN > threshold is False: it would become background silently
+            files = ", ".join(str(p) for p in (case.label, *case.extra_labels))
+            raise PrepareError(f"case {case.case_id}: label {files} has {bad} NaN/Inf voxels")
+        label = (label > case.label_threshold).astype(np.uint8)
+    return label, affine
+
+
 def _classes(label: np.ndarray, spec: TaskSpec, case_id: str, path: Path) -> np.ndarray:
     """Raw label values -> class indices (uint8); non-integer or unknown values are errors naming the case."""
     if not np.issubdtype(label.dtype, np.integer):
@@ -145,7 +168,12 @@ def source_stamp(path: Path | None) -> dict | None:
 
 
 def _sources(case: RawCase) -> dict:
-    return {"image": source_stamp(case.image), "label": source_stamp(case.label), "frame": case.frame}
+    sources = {"image": source_stamp(case.image), "label": source_stamp(case.label), "frame": case.frame}
+    if case.extra_labels:  # only where a case has them, so records written before the field stay valid
+        sources["extra_labels"] = [source_stamp(p) for p in case.extra_labels]
+    if case.label_threshold is not None:
+        sources["label_threshold"] = case.label_threshold
+    return sources
 
 
 def prepare_case(spec: TaskSpec, case: RawCase, out_dir: Path, seed: int = 0) -> dict:
@@ -155,9 +183,8 @@ def prepare_case(spec: TaskSpec, case: RawCase, out_dir: Path, seed: int = 0) ->
         raise PrepareError(f"case {case.case_id}: no label file")
     sources = _sources(case)  # before reading: a file changed while it is read is prepared again next time
     image, image_affine = _read(case.image, "image", case.case_id)
-    label, label_affine = _read(case.label, "label", case.case_id)
+    label, label_affine = _read_label(case)
     image = _as_3d(image, case.frame, case.case_id, "image", case.image)
-    label = _as_3d(label, case.frame, case.case_id, "label", case.label)
     if image.shape != label.shape:
         raise PrepareError(
             f"case {case.case_id}: image shape {image.shape} ({case.image}) != label shape {label.shape} ({case.label})"
@@ -202,6 +229,7 @@ def prepare_case(spec: TaskSpec, case: RawCase, out_dir: Path, seed: int = 0) ->
         "class_voxels": np.bincount(label_np.ravel(), minlength=spec.num_classes).tolist(),
         "source_image": str(case.image),
         "source_label": str(case.label),
+        **({"source_extra_labels": [str(p) for p in case.extra_labels]} if case.extra_labels else {}),
         "frame": case.frame,
         "sources": sources,
         "domain": case.domain,

@@ -92,17 +92,19 @@ register_task, get_task, list_tasks = TASKS.register, TASKS.get, TASKS.names
 for _spec in (
     TaskSpec(
         name="atlas_stroke",
-        title="ATLAS v2.0 T1 MR chronic stroke lesions",
+        title="ATLAS (v2.0 or R1.x) T1 MR chronic stroke lesions",
         modality="MR",
         labels={0: "background", 1: "lesion"},
         spacing=(1.0, 1.0, 1.0),
         orientation="RAS",
         find_cases=layouts.find_atlas,
-        layout="ATLAS_2/Training/R*/sub-*/ses-1/anat/*_T1w.nii.gz + *_label-L_desc-T1lesion_mask.nii.gz",
+        layout="ATLAS_2/Training/R*/sub-*/ses-1/anat/*_T1w.nii.gz + *_label-L_desc-T1lesion_mask.nii.gz (v2.0), "
+        "or Site*/<ID>/t01/<ID>_t1w_deface_stx.nii.gz + <ID>_LesionSmooth[_k]_stx.nii.gz (R1.x)",
         assign_splits=_random_rule(145, 31, 44, half=73),
         report_classes={"lesion": (1,)},
         single_component_classes=(),  # stroke lesions: often several per brain
-        source="https://fcon_1000.projects.nitrc.org/indi/retro/atlas.html (ATLAS R2.0, after accepting the terms)",
+        source="https://fcon_1000.projects.nitrc.org/indi/retro/atlas.html (ATLAS R2.0 or R1.1, after accepting the "
+        "terms)",
         paper_settings={
             "deepmedic": {0.5: ("batch-dice", 1e-3), 1.0: ("batch-dice", 2e-3)},
             "unet3d": {0.5: ("batch-dice", 5e-4), 1.0: ("ce", 1e-3)},

@@ -21,7 +21,9 @@ class RawCase:
     of cross-domain tasks; ``folder`` the dataset's own split folder where it has one (M&Ms ``Training`` ...);
     ``frame`` the time frame to take from a 4D volume (M&Ms ED/ES); ``subject`` groups volumes of one subject so
     they land in the same split; ``optional`` cases (M&Ms ``Unlabeled``) are left out, not refused, when their
-    label turns out empty.
+    label turns out empty. ``extra_labels`` are further label files of the same volume, united with ``label``
+    voxel by voxel (ATLAS R1.x: one file per lesion); with ``label_threshold`` the united label is binarised, 1
+    where it is above the threshold (ATLAS R1.x's ``LesionSmooth`` masks, as the public loaders read them).
     """
 
     case_id: str
@@ -32,6 +34,8 @@ class RawCase:
     frame: int | None = None
     subject: str = ""
     optional: bool = False
+    extra_labels: tuple[Path, ...] = ()
+    label_threshold: float | None = None
 
     @property
     def group(self) -> str:
