@@ -488,3 +488,36 @@ def test_atlas_without_either_release_names_both_layouts(tmp_path):
         PrepareError, match=r"T1w\.nii\.gz \(ATLAS v2\.0\) or .*LesionSmooth_stx\.nii\.gz \(ATLAS R1\.x\)"
     ):
         find_atlas(tmp_path)
+
+
+def test_mnms_unlabeled_folder_without_labels_or_with_empty_ones_is_left_out(tmp_path, caplog):
+    """DATASETS.md: M&Ms `Training/Unlabeled` may or may not hold labels. A subject there without a `_sa_gt` file
+    is skipped (no --skip-unlabelled needed), one whose ED/ES labels are empty is left out with a warning, one
+    with labels trains (its folder is `Training`)."""
+    import shutil as _shutil
+
+    from fake_raw import MNMS_CSV
+
+    raw = make_fake_raw("cardiac_crosssite", tmp_path / "raw")
+    source = raw / "Training" / "Labeled" / "A0S9V9"
+    rows = []
+    for code, gt in (("U1N0GT", None), ("U2EMPT", "empty"), ("U3LABL", "copy")):
+        folder = raw / "Training" / "Unlabeled" / code
+        folder.mkdir(parents=True)
+        _shutil.copy(source / "A0S9V9_sa.nii.gz", folder / f"{code}_sa.nii.gz")
+        if gt == "copy":
+            _shutil.copy(source / "A0S9V9_sa_gt.nii.gz", folder / f"{code}_sa_gt.nii.gz")
+        elif gt == "empty":
+            nii = nib.load(str(source / "A0S9V9_sa_gt.nii.gz"))
+            nib.save(nib.Nifti1Image(np.zeros(nii.shape, np.uint8), nii.affine), str(folder / f"{code}_sa_gt.nii.gz"))
+        rows.append(f"{90 + len(rows)},{code},GE,C,3,0,3,50,NOR,M,170,70")
+    with open(raw / MNMS_CSV, "a") as f:
+        f.write("\n".join(rows) + "\n")
+
+    with caplog.at_level("WARNING"):
+        prepare_task("cardiac_crosssite", raw, tmp_path / "data", progress=False)
+    datalist = json.loads((tmp_path / "data" / "dataset.json").read_text())
+    cases = {e["case"]: split for split in datalist["num_cases"] for e in datalist[split]}
+    assert not any(c.startswith(("U1N0GT", "U2EMPT")) for c in cases)
+    assert cases["U3LABL_ED"] == cases["U3LABL_ES"] == "training"
+    assert "U2EMPT_ED, U2EMPT_ES" in caplog.text and "left out" in caplog.text
