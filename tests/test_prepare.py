@@ -83,11 +83,18 @@ def test_cross_domain_and_reduced_data_splits(prepared):
         load_split(prepared["btcv_abdomen"][1], "training", "btcv_abdomen", train_fraction=0.5)
 
 
-def test_split_sizes_follow_the_paper_and_scale_down():
-    assert scaled_sizes(220, [145, 31, 44]) == [145, 31, 44]
-    assert scaled_sizes(655, [145, 31, 44]) == [145, 31, 44]
-    small = scaled_sizes(8, [145, 31, 44])
+def test_split_sizes_follow_the_paper_and_scale_down(caplog):
+    with caplog.at_level("WARNING"):
+        assert scaled_sizes(220, [145, 31, 44]) == [145, 31, 44]
+        assert scaled_sizes(655, [145, 31, 44]) == [145, 31, 44]
+    assert not caplog.records  # the paper's split: nothing to warn of
+    with caplog.at_level("WARNING"):
+        small = scaled_sizes(8, [145, 31, 44])
     assert sum(small) == 8 and min(small) >= 1 and small[0] > small[1]
+    # fewer cases than the paper's (e.g. MS-CMRSeg with --skip-unlabelled): said, with both splits
+    with caplog.at_level("WARNING"):
+        assert scaled_sizes(35, [30, 10], "C0 cases") == [26, 9]
+    assert "35 C0 cases found, fewer than the paper's 40: split sizes scaled to 26 / 9 (paper: 30 / 10)" in caplog.text
     with pytest.raises(PrepareError, match="at least 3"):
         scaled_sizes(2, [145, 31, 44])
     assert len(half_subset([f"c{i}" for i in range(145)], 73, 145, seed=0)) == 73

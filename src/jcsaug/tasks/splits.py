@@ -6,6 +6,7 @@ ordered splits (cross-domain tasks) take cases in case-id order, as the paper's 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -15,10 +16,12 @@ from jcsaug.tasks.spec import PrepareError, RawCase
 
 __all__ = ["half_subset", "ordered_split", "random_split", "scaled_sizes"]
 
+logger = logging.getLogger(__name__)
+
 
 def scaled_sizes(n: int, sizes: Sequence[int], what: str = "cases") -> list[int]:
     """``sizes`` if ``n`` is at least their sum (extra cases stay unused), else proportional sizes, each >= 1
-    (largest remainders), summing to ``n``."""
+    (largest remainders), summing to ``n``, with a warning: the split is then not the paper's."""
     total = sum(sizes)
     if n >= total:
         return list(sizes)
@@ -28,6 +31,10 @@ def scaled_sizes(n: int, sizes: Sequence[int], what: str = "cases") -> list[int]
     out = [math.floor(e) for e in exact]
     for i in sorted(range(len(sizes)), key=lambda i: out[i] - exact[i])[: n - sum(out)]:
         out[i] += 1
+    logger.warning(
+        "%d %s found, fewer than the paper's %d: split sizes scaled to %s (paper: %s)",
+        n, what, total, " / ".join(map(str, out)), " / ".join(map(str, sizes)),
+    )  # fmt: skip
     return out
 
 
@@ -52,7 +59,7 @@ def random_split(cases: Sequence[RawCase], sizes: dict[str, int], seed: int) -> 
     groups = _groups(cases)
     order = sorted(groups)
     np.random.default_rng(seed).shuffle(order)
-    return _assign(groups, order, list(sizes), scaled_sizes(len(order), list(sizes.values())))
+    return _assign(groups, order, list(sizes), scaled_sizes(len(order), list(sizes.values()), "subjects"))
 
 
 def ordered_split(cases: Sequence[RawCase], sizes: dict[str, int], what: str) -> dict[str, list[str]]:
