@@ -189,6 +189,30 @@ def test_prostate_label_geometry_is_copied_from_the_image(prepared):
     assert (data / "labels" / "I2CVB_Case01.nii.gz").is_file()
 
 
+@pytest.mark.parametrize("change", ["spacing", "flipped", "shifted"])
+def test_prostate_label_grid_beyond_its_spacing_is_refused(tmp_path, change):
+    """Only the spacing quirk is repaired (DATASETS.md: the label's spacing is overwritten with the image's; here
+    1 % off, past the affine check's tolerance): a label whose axes or origin differ from the image's is a
+    different grid, refused with both affines named."""
+    raw = make_fake_raw("prostate_crosssite", tmp_path / "raw")
+    key, _, label = _first_labelled("prostate_crosssite", raw)
+    affine = nib.load(str(label)).affine.copy()
+    if change == "spacing":
+        affine[0, 0] *= 1.01
+    elif change == "flipped":
+        affine[0, 0], affine[0, 3] = -affine[0, 0], affine[0, 3] + 0.8 * 29
+    else:
+        affine[:3, 3] += 2.0
+    _rewrite(label, affine=affine)
+    if change == "spacing":
+        prepare_task("prostate_crosssite", raw, tmp_path / "data", progress=False)
+        image, label = (nib.load(str(tmp_path / "data" / d / f"{key}.nii.gz")) for d in ("images", "labels"))
+        np.testing.assert_allclose(label.affine, image.affine)
+        return
+    message = _prepare_error("prostate_crosssite", raw, tmp_path / "data")
+    assert "affines differ beyond the voxel spacing" in message and key in message
+
+
 @pytest.mark.parametrize("task", [t for t in TASK_NAMES if not get_task(t).binarise_labels])  # prostate: below
 def test_label_values_outside_the_classes_are_named(tmp_path, task):
     raw = make_fake_raw(task, tmp_path / "raw")

@@ -71,8 +71,9 @@ class TaskSpec:
             first: ``metrics.json`` and the run summary give the mean Dice over each, and ``jcsaug report
             --task`` averages over the first (see :attr:`headline_classes`).
         foreground_splits: splits whose cases must contain foreground (patch sampling and validation need it).
-        copy_image_geometry_to_label: a label whose affine disagrees with its image's (same shape) gets the
-            image's (a known quirk of the prostate data) instead of an error.
+        copy_image_geometry_to_label: a label whose affine disagrees with its image's in the voxel spacing only
+            (same shape, axes and origin) gets the image's (a known quirk of the prostate data) instead of an
+            error.
         source: where the data is published.
         paper_settings: what the paper trained with (SPEC §6): network -> training fraction -> ``(L_val, beta)``;
             read through :meth:`paper_setting`.
