@@ -552,3 +552,18 @@ def test_mnms_unlabeled_folder_without_labels_or_with_empty_ones_is_left_out(tmp
     assert not any(c.startswith(("U1N0GT", "U2EMPT")) for c in cases)
     assert cases["U3LABL_ED"] == cases["U3LABL_ES"] == "training"
     assert "U2EMPT_ED, U2EMPT_ES" in caplog.text and "left out" in caplog.text
+
+
+def test_mscmrseg_resamples_in_plane_only_and_keeps_the_slices_as_acquired(tmp_path):
+    """MS-CMRSeg's spacing is 1.25 x 1.25 in plane with the slice axis as acquired (SPEC: 0 = kept): a case
+    acquired at 0.9 mm in plane and 12 mm slices comes out 1.25 x 1.25 x 12 with its 6 slices."""
+    raw = make_fake_raw("cardiac_crosssequence", tmp_path / "raw")
+    image, label = raw_case_files("cardiac_crosssequence", raw)["patient1_C0"]
+    affine = np.diag([0.9, 0.9, 12.0, 1.0])
+    _rewrite(image, affine=affine)
+    _rewrite(label, affine=affine)
+    prepare_task("cardiac_crosssequence", raw, tmp_path / "data", progress=False)
+    for folder in ("images", "labels"):
+        nii = nib.load(str(tmp_path / "data" / folder / "patient01_C0.nii.gz"))
+        assert nii.header.get_zooms() == pytest.approx((1.25, 1.25, 12.0), rel=1e-4)
+        assert nii.shape[2] == 6 and nii.shape[0] == round(32 * 0.9 / 1.25)
