@@ -98,11 +98,13 @@ def find_atlas_r1(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]
         scan_id = match.group("id")
         subject = re.sub(r"t\d+$", "", scan_id) if re.fullmatch(r"c\d+s\d+t\d+", scan_id) else scan_id
         scans.setdefault(subject, []).append((image, scan_id))
+    repeated = [f"{subject} ({len(found)})" for subject, found in sorted(scans.items()) if len(found) > 1]
+    if repeated:
+        logger.info("ATLAS R1.x: the first scan is used of each subject with several (scans): %s",
+                    ", ".join(repeated))  # fmt: skip
     cases = []
     for subject, found in sorted(scans.items()):
         image, scan_id = found[0]  # sorted paths: t01 before t02
-        if len(found) > 1:
-            logger.info("ATLAS R1.x subject %s: %d scans; the first (%s) is used", subject, len(found), image)
         masks = sorted(
             p for p in image.parent.glob(f"{scan_id}_LesionSmooth*_stx.nii*")
             if re.fullmatch(rf"{re.escape(scan_id)}_LesionSmooth(_\d+)?_stx\.nii(\.gz)?", p.name)
