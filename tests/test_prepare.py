@@ -190,7 +190,7 @@ def test_prostate_label_geometry_is_copied_from_the_image(prepared):
 
 
 @pytest.mark.parametrize("change", ["spacing", "flipped", "shifted"])
-def test_prostate_label_grid_beyond_its_spacing_is_refused(tmp_path, change):
+def test_prostate_label_spacing_is_repaired_and_another_grid_refused(tmp_path, change):
     """Only the spacing quirk is repaired (DATASETS.md: the label's spacing is overwritten with the image's; here
     1 % off, past the affine check's tolerance): a label whose axes or origin differ from the image's is a
     different grid, refused with both affines named."""
