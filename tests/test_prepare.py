@@ -567,3 +567,29 @@ def test_mscmrseg_resamples_in_plane_only_and_keeps_the_slices_as_acquired(tmp_p
         nii = nib.load(str(tmp_path / "data" / folder / "patient01_C0.nii.gz"))
         assert nii.header.get_zooms() == pytest.approx((1.25, 1.25, 12.0), rel=1e-4)
         assert nii.shape[2] == 6 and nii.shape[0] == round(32 * 0.9 / 1.25)
+
+
+def test_mr_images_are_z_scored_case_by_case_at_load(prepared):
+    """MR tasks (SPEC: case-wise z-score): at load time each image's voxels get mean 0 and sd 1 (CT: above)."""
+    _, data = prepared["atlas_stroke"]
+    assert json.loads((data / "dataset.json").read_text())["normalisation"] == {"scheme": "zscore"}
+    transform = intensity_normalisation(data)
+    for entry in load_split(data, "training", "atlas_stroke")[:2]:
+        raw = np.asarray(nib.load(entry["image"]).dataobj, dtype=np.float32)
+        x = np.asarray(transform({"image": raw[None]})["image"])
+        assert abs(raw.mean()) > 1 and float(x.mean()) == pytest.approx(0.0, abs=1e-4)
+        assert float(x.std()) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_a_btcv_case_without_an_organ_is_prepared(tmp_path):
+    """DATASETS.md: BTCV's 13 organs are not in every case (e.g. a removed gallbladder): such a case is prepared,
+    its record counting no voxel of that class."""
+    raw = make_fake_raw("btcv_abdomen", tmp_path / "raw")
+    key, _, label = _first_labelled("btcv_abdomen", raw)
+    values = np.asarray(nib.load(str(label)).dataobj)
+    _rewrite(label, np.where(values == 4, 0, values).astype(values.dtype))  # 4: gallbladder
+    prepare_task("btcv_abdomen", raw, tmp_path / "data", progress=False)
+    case = f"btcv_{_needle('btcv_abdomen', key)}"  # raw img0001 -> case btcv_0001
+    record = json.loads((tmp_path / "data" / prepare_module.STATE_DIR / "cases" / f"{case}.json").read_text())
+    counts = record["class_voxels"]
+    assert counts[4] == 0 and all(counts[c] > 0 for c in range(1, 14) if c != 4)
