@@ -98,19 +98,20 @@ def find_atlas_r1(raw_dir: Path, skip_unlabelled: bool = False) -> list[RawCase]
         scan_id = match.group("id")
         subject = re.sub(r"t\d+$", "", scan_id) if re.fullmatch(r"c\d+s\d+t\d+", scan_id) else scan_id
         scans.setdefault(subject, []).append((image, scan_id))
-    repeated = [f"{subject} ({len(found)})" for subject, found in sorted(scans.items()) if len(found) > 1]
+    subjects = sorted(scans.items())
+    repeated = [f"{subject} ({len(found)})" for subject, found in subjects if len(found) > 1]
     if repeated:
         logger.info("ATLAS R1.x: the first scan is used of each subject with several (scans): %s",
                     ", ".join(repeated))  # fmt: skip
     cases = []
-    for subject, found in sorted(scans.items()):
+    for subject, found in subjects:
         image, scan_id = found[0]  # sorted paths: t01 before t02
         masks = sorted(
             p for p in image.parent.glob(f"{scan_id}_LesionSmooth*_stx.nii*")
             if re.fullmatch(rf"{re.escape(scan_id)}_LesionSmooth(_\d+)?_stx\.nii(\.gz)?", p.name)
         )  # fmt: skip
-        main = [p for p in masks if "_LesionSmooth_stx" in p.name]
-        label = main[0] if main else (masks[0] if masks else image.with_name(f"{scan_id}_LesionSmooth_stx" + NII))
+        main = [p for p in masks if "_LesionSmooth_stx" in p.name]  # the first lesion's file, where there is one
+        label = next(iter(main + masks), image.with_name(f"{scan_id}_LesionSmooth_stx" + NII))
         label = _label_or_missing(subject, label, skip_unlabelled)
         if label is None:
             continue

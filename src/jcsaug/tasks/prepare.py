@@ -71,6 +71,11 @@ def _as_3d(array: np.ndarray, frame: int | None, case_id: str, what: str, path: 
     return array
 
 
+def _same_grid(affine: np.ndarray, other: np.ndarray) -> bool:
+    """Whether two volumes' affines agree to the tolerance every check of a case's files uses."""
+    return bool(np.allclose(affine, other, rtol=1e-3, atol=1e-3))
+
+
 def _read_label(case: RawCase) -> tuple[np.ndarray, np.ndarray]:
     """The case's 3D label and its affine: ``label`` united voxel by voxel with ``extra_labels`` (each must match
     it in shape and affine), binarised at ``label_threshold`` where the case has one."""
@@ -79,7 +84,7 @@ def _read_label(case: RawCase) -> tuple[np.ndarray, np.ndarray]:
     for path in case.extra_labels:
         more, more_affine = _read(path, "label", case.case_id)
         more = _as_3d(more, case.frame, case.case_id, "label", path)
-        if more.shape != label.shape or not np.allclose(more_affine, affine, rtol=1e-3, atol=1e-3):
+        if more.shape != label.shape or not _same_grid(more_affine, affine):
             raise PrepareError(
                 f"case {case.case_id}: label {path} (shape {more.shape}) does not match {case.label} (shape "
                 f"{label.shape}) in shape or affine; the lesion files of a case must share one grid"
@@ -201,7 +206,7 @@ def prepare_case(spec: TaskSpec, case: RawCase, out_dir: Path, seed: int = 0) ->
         raise PrepareError(
             f"case {case.case_id}: image shape {image.shape} ({case.image}) != label shape {label.shape} ({case.label})"
         )
-    if not np.allclose(image_affine, label_affine, rtol=1e-3, atol=1e-3):
+    if not _same_grid(image_affine, label_affine):
         if not (spec.copy_image_geometry_to_label and _differ_in_spacing_only(image_affine, label_affine)):
             quirk = " beyond the voxel spacing" if spec.copy_image_geometry_to_label else ""
             raise PrepareError(
