@@ -109,6 +109,7 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tra_val_tea", "maybe", "must be true or false"),
         ("tra_meta_mode", "training", "must be one of eval, train"),
         ("grad_clip_norm", 0, "must be a finite number > 0, or None"),
+        ("roi_threshold", "body", "must be a finite number, or None"),
         ("tea_identity_weight", 1.0, "must be a number in (0, 1), or None"),
         ("tea_identity_weight", "half", "must be a number in (0, 1), or None"),
         ("train_loss", "focal", "must be one of ce, ce+dice, dice"),

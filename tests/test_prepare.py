@@ -569,6 +569,26 @@ def test_mscmrseg_resamples_in_plane_only_and_keeps_the_slices_as_acquired(tmp_p
         assert nii.shape[2] == 6 and nii.shape[0] == round(32 * 0.9 / 1.25)
 
 
+def test_mscmrseg_t2_volumes_are_not_cases(tmp_path):
+    """MS-CMRSeg ships T2 beside bSSFP (C0) and LGE (DATASETS.md); the paper uses C0 -> LGE, so a T2 volume and its
+    label are left out of the cases, the splits and the prepared files."""
+    from jcsaug.tasks.layouts import find_mscmrseg
+
+    raw = make_fake_raw("cardiac_crosssequence", tmp_path / "raw")
+    image, label = raw_case_files("cardiac_crosssequence", raw)["patient1_C0"]
+    (raw / "t2").mkdir()
+    (raw / "t2gt").mkdir()
+    shutil.copy(image, raw / "t2" / "patient1_T2.nii.gz")
+    shutil.copy(label, raw / "t2gt" / "patient1_T2_manual.nii.gz")
+    cases = find_mscmrseg(raw)
+    assert {c.domain for c in cases} == {"C0", "LGE"} and not any("T2" in c.case_id for c in cases)
+    prepare_task("cardiac_crosssequence", raw, tmp_path / "data", progress=False)
+    datalist = json.loads((tmp_path / "data" / "dataset.json").read_text())
+    prepared = [e["case"] for split in datalist["num_cases"] for e in datalist[split]]
+    assert prepared and not any("T2" in c for c in prepared)
+    assert not list((tmp_path / "data" / "images").glob("*T2*"))
+
+
 def test_mr_images_are_z_scored_case_by_case_at_load(prepared):
     """MR tasks (SPEC: case-wise z-score): at load time each image's voxels get mean 0 and sd 1 (CT: above)."""
     _, data = prepared["atlas_stroke"]

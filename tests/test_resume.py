@@ -215,3 +215,16 @@ def test_a_resume_pt_from_before_the_tra_context_ran_without_one(tmp_path):
     check_resume_matches(new, tmp_path / "resume.pt", None, None, settings={"seed": 0, "tra_context": [18] * 3})
     with pytest.raises(ValueError, match=r"--tra_context \[0, 0, 0\]"):
         check_resume_matches(new, tmp_path / "resume.pt", None, None, settings={"seed": 0, "tra_context": [0] * 3})
+
+
+def test_a_resume_pt_from_before_the_roi_drew_centres_from_the_whole_volume(tmp_path):
+    """Run settings saved without ``roi_threshold`` were a run without an ROI: resuming it with KiTS's -200 is
+    refused, naming both; ``--roi_threshold None`` resumes it; a run that saved its threshold keeps it."""
+    from jcsaug.engine.resume import check_resume_matches
+
+    old = {"run_settings": {"seed": 0}}
+    check_resume_matches(old, tmp_path / "resume.pt", None, None, settings={"seed": 0, "roi_threshold": None})
+    with pytest.raises(ValueError, match=r"with --roi_threshold -200\.0: that run was saved with roi_threshold None"):
+        check_resume_matches(old, tmp_path / "resume.pt", None, None, settings={"seed": 0, "roi_threshold": -200.0})
+    new = {"run_settings": {"seed": 0, "roi_threshold": -200.0}}
+    check_resume_matches(new, tmp_path / "resume.pt", None, None, settings={"seed": 0, "roi_threshold": -200.0})

@@ -276,6 +276,9 @@ def test_evaluate_and_inference_after_training(tiny_runs, prepared, tmp_path):
     metrics = json.loads((run / "metrics_evaluate.json").read_text())
     assert set(metrics) == {"none", "heuristic", "learned"}  # the same method names as after training
     assert metrics["none"]["mean_dice_reported"]["tumour"]["classes"] == [2]  # the paper reports the tumour
+    trained = json.loads((run / "metrics.json").read_text())
+    for result in (metrics, trained):  # KiTS: predictions outside the body ROI are background, as the reference's
+        assert all(row["roi_masked"] for method in ("none", "learned") for row in result[method]["per_case"])
     assert "test Dice, tumour (class 2): " in log  # run summary
     assert (run / "per_case.csv").is_file() and (run / "per_case_evaluate.csv").is_file()
     assert "run summary" in log and "metrics_evaluate.json" in log
@@ -353,6 +356,39 @@ def test_deepmedic_patches_are_centred_inside_the_volume_and_labels_stay_classes
     for sample in dataset[0]:
         assert tuple(sample["label"].shape[1:]) == (21, 21, 21) and tuple(sample["image"].shape[1:]) == (109,) * 3
         assert set(np.unique(np.asarray(sample["label"])).tolist()) <= {0, 1, 2}
+
+
+@pytest.mark.parametrize("network", ["unet3d", "deepmedic"])
+def test_kits_background_centres_are_drawn_inside_the_body_roi(prepared, network):
+    """KiTS (``roi_threshold`` -200 HU, the reference's body mask): no patch centre of any class falls on the air
+    around the body, which the centres include with ``roi_threshold`` null; the ROI is not kept after the centres
+    are indexed (neither cached nor cropped)."""
+    import numpy as np
+
+    kw = {
+        "dataset_dir": str(prepared["kits19_tumor"][1]),
+        "network": network,
+        "network_kwargs": {"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]} if network == "deepmedic" else {},
+    }
+    centres_in_air = {}
+    for threshold in ("$@task_spec.roi_threshold", None):
+        parser = _parser("kits19_tumor", **kw, roi_threshold=threshold)
+        entry = dict(parser.get_parsed_content("train_files")[0])
+        prefix = parser.get_parsed_content("load_transforms")
+        loaded = entry
+        for transform in prefix[:4]:  # read, checked, channel first, checked: the image still in HU
+            loaded = transform(loaded)
+        item = dict(entry)
+        for transform in prefix + parser.get_parsed_content("patch_sampling"):
+            item = transform(item)
+        assert "roi" not in item
+        padded = {"image": loaded["image"], "label": loaded["label"]}
+        for transform in parser.get_parsed_content("patch_sampling")[:4]:  # the pads, in HU (padding: 0 HU, no class)
+            padded = transform(padded)
+        air = (np.asarray(padded["image"][0]) <= -200).ravel()
+        centres = np.concatenate([np.asarray(i) for i in item["label_cls_indices"]])
+        centres_in_air[threshold is None] = int(air[centres].sum())
+    assert centres_in_air[False] == 0 and centres_in_air[True] > 0
 
 
 @pytest.mark.parametrize("augment_on", ["worker", "device"])

@@ -243,6 +243,10 @@ def _optional_positive(value: Any) -> str | None:
     return reason and f"{reason}, or None"
 
 
+def _optional_finite(value: Any) -> str | None:
+    return None if value is None or _finite(value) else "must be a finite number, or None"
+
+
 def _optional_patch_size(value: Any) -> str | None:
     reason = None if value is None else _patch_size(value)
     return reason and f"{reason}, or None"
@@ -374,6 +378,7 @@ def _validators() -> dict[str, Any]:
         "tea_patch_size": _optional_patch_size,
         "grad_clip_norm": _optional_positive,
         "tra_context": _tra_context,
+        "roi_threshold": _optional_finite,
         "tra_meta_mode": _one_of(("eval", "train")),
         "tra_preset": _tra_preset,
         "tea_preset": _tea_preset,

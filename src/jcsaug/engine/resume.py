@@ -224,8 +224,9 @@ def _differences(
 #: without it ran with that value, so a resume asking another is refused rather than silently changing the run)
 UPDATER_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"direction": "validation"}
 
-#: the same for a run's settings (``ResumeCheckpoint(settings=)``): runs before the TRA context cropped no context
-RUN_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"tra_context": [0, 0, 0]}
+#: the same for a run's settings (``ResumeCheckpoint(settings=)``): runs before the TRA context cropped no context,
+#: runs before the task's ROI drew patch centres from the whole volume
+RUN_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"tra_context": [0, 0, 0], "roi_threshold": None}
 
 
 def _setting_differences(

@@ -19,6 +19,7 @@ import torch
 from monai.inferers import Inferer
 from tqdm.auto import tqdm
 
+from jcsaug.data.roi import ROI_KEY, mask_outside_roi
 from jcsaug.evaluation.metrics import (
     VALIDATION_COMPONENT_CLASSES,
     ComponentClasses,
@@ -63,6 +64,7 @@ def choose_component_classes(
     image_key: str = "image",
     label_key: str = "label",
     progress: bool = True,
+    roi_key: str | None = ROI_KEY,
 ) -> tuple[int, ...]:
     """The foreground classes whose largest-component post-processing raises their mean Dice on ``cases``.
 
@@ -75,6 +77,8 @@ def choose_component_classes(
         output_path: where to write the choice (``postprocessing.json``, atomically): the classes, and per
             candidate class its mean Dice without and with the post-processing and whether it was chosen.
         candidates: the classes considered (default: every foreground class).
+        roi_key: where ``load`` gives a case's region of interest: predictions outside it are background before
+            the choice, as in the test metrics (:func:`~jcsaug.evaluation.evaluate_cases`); None: never masked.
 
     Returns:
         The chosen classes, sorted (``()`` when none helps).
@@ -97,7 +101,8 @@ def choose_component_classes(
         for entry in tqdm(cases, desc="choose post-processing", disable=not progress):
             data = load(entry)
             image = torch.as_tensor(data[image_key]).unsqueeze(0).to(device)
-            pred = inferer(image, network).argmax(1, keepdim=True).cpu()
+            roi = data.get(roi_key) if roi_key is not None else None
+            pred = mask_outside_roi(inferer(image, network).argmax(1, keepdim=True).cpu(), roi)
             truth = torch.as_tensor(data[label_key]).cpu()[None]
             # one pass for every class: each keeps its own largest component, independently of the others
             kept = largest_connected_component(pred[0, 0], num_classes, classes=classes)[None, None]

@@ -25,6 +25,7 @@ from monai.networks.utils import one_hot
 from tqdm.auto import tqdm
 
 from jcsaug.data.checks import describe_error
+from jcsaug.data.roi import ROI_KEY, mask_outside_roi
 from jcsaug.evaluation.metrics import (
     METRICS,
     ComponentClasses,
@@ -177,6 +178,7 @@ def evaluate_cases(
     extra: Mapping | None = None,
     strict: bool = True,
     report_classes: Mapping[str, Sequence[int]] | None = None,
+    roi_key: str | None = ROI_KEY,
 ) -> dict:
     """Dice, sensitivity, precision and HD95 of every case under every inferer; returns the metrics dict.
 
@@ -204,12 +206,16 @@ def evaluate_cases(
             e.g. ``{"tumour": [2]}`` for KiTS) whose mean Dice is given beside the all-class one, as
             ``"mean_dice_reported"``; computed as ``jcsaug report --classes`` does (per case over the subset, then
             over the cases), so the two agree.
+        roi_key: where ``load`` gives a case's region of interest (:class:`jcsaug.data.ThresholdROId`): its
+            predictions outside it are background (:func:`jcsaug.data.mask_outside_roi`), before the largest
+            component is kept, as the reference code masks its test predictions. A case without it is predicted
+            as it is; None: never masked.
 
     Returns:
         ``{method: {"mean_dice", "mean_dice_per_class", "summary": {metric: {"mean", "per_class",
         "n_undefined", "n_undefined_per_class"}}, "empty_cases": {status: [count per class]},
         "per_case": [{"case", "dice", "mean_dice", "sensitivity", "precision", "hd95", "status",
-        "spacing"}], "failed_cases": [{"case", "error"}], "largest_component_classes": [the classes
+        "spacing", "roi_masked"}], "failed_cases": [{"case", "error"}], "largest_component_classes": [the classes
         post-processed]}}`` (with ``report_classes`` also
         ``"mean_dice_reported": {name: {"classes", "mean_dice"}}``) — per-case metric values are lists over the
         foreground classes; means are over the cases that did not fail.
@@ -228,7 +234,7 @@ def evaluate_cases(
             case = str(entry.get(image_key, f"case_{index}")) if isinstance(entry, Mapping) else f"case_{index}"
             try:
                 rows = _evaluate_case(network, entry, load, inferers, num_classes, device, image_key, label_key,
-                                      spacing, spacing_key, lcc_classes, unknown_spacing, case)  # fmt: skip
+                                      spacing, spacing_key, lcc_classes, unknown_spacing, case, roi_key)  # fmt: skip
             except Exception as err:  # noqa: BLE001 - recorded with its reason; the other cases go on
                 failed.append({"case": case, "error": describe_error(err)})
                 warnings.warn(f"evaluation of case {case} failed: {failed[-1]['error']}", stacklevel=2)
@@ -299,6 +305,7 @@ def _evaluate_case(
     lcc_classes: tuple[int, ...],
     unknown_spacing: list[str],
     case: str,
+    roi_key: str | None = None,
 ) -> dict[str, dict]:
     """One case under every inferer: ``{method: row}`` (see :func:`evaluate_cases`)."""
     data = load(entry)
@@ -311,11 +318,13 @@ def _evaluate_case(
             voxel = [1.0] * (data[image_key].ndim - 1)
     image = torch.as_tensor(data[image_key]).unsqueeze(0).to(device)
     label = torch.as_tensor(data[label_key]).cpu()
+    roi = data.get(roi_key) if roi_key is not None else None
     rows = {}
     for name, inferer in inferers.items():
-        pred = inferer(image, network).argmax(1)[0].cpu()
+        pred = mask_outside_roi(inferer(image, network).argmax(1)[0].cpu(), roi)
         values = case_metrics(pred, label[0], num_classes, voxel, keep_largest_component=lcc_classes)
         row = {"case": case, "dice": values["dice"], "mean_dice": _mean(values["dice"])}
         row.update({m: values[m] for m in METRICS[1:]}, status=values["status"], spacing=voxel)
+        row["roi_masked"] = roi is not None
         rows[name] = row
     return rows

@@ -22,6 +22,7 @@ from monai.transforms import (
 )
 from tqdm.auto import tqdm
 
+from jcsaug.data.roi import ROI_KEY, ThresholdROId, mask_outside_roi
 from jcsaug.evaluation.metrics import (
     ComponentClasses,
     component_classes,
@@ -48,6 +49,7 @@ def predict_cases(
     orientation: str | None = "RAS",
     preprocess: Callable[[dict], dict] | None = None,
     keep_largest_component: ComponentClasses = False,
+    roi_threshold: float | None = None,
 ) -> list[Path]:
     """Segment every case (``{"image": path}``) and write ``<name>_seg.nii.gz`` files (uint8 class maps) to
     ``output_dir``.
@@ -59,8 +61,10 @@ def predict_cases(
     (:func:`~jcsaug.evaluation.metrics.largest_connected_component`): False, True (every foreground class) or the
     foreground class ids to post-process, e.g. ``[1, 3]`` (:func:`~jcsaug.evaluation.metrics.component_classes`;
     its form is checked first, its classes against the network's on the first case, before anything is written).
-    The network is moved to ``device`` and put in eval mode. Two inputs whose file names give the same output name
-    are refused before anything is written.
+    ``roi_threshold``: the task's region of interest (:class:`~jcsaug.data.ThresholdROId`, computed on the image as
+    read, before ``preprocess``: HU for CT): the segmentation is background outside it, as in the evaluation;
+    None: not masked. The network is moved to ``device`` and put in eval mode. Two inputs whose file names give the
+    same output name are refused before anything is written.
     """
     missing = [dict(entry) for entry in cases if image_key not in entry]
     if missing:
@@ -75,6 +79,7 @@ def predict_cases(
     steps = [LoadImaged(image_key, image_only=True), EnsureChannelFirstd(image_key)]
     if orientation:
         steps.append(Orientationd(image_key, axcodes=orientation, labels=_AXIS_LABELS))
+    steps.append(ThresholdROId(image_key, roi_threshold))  # a no-op without a threshold
     if preprocess is not None:
         steps.append(preprocess)
     load = Compose([*steps, EnsureTyped(image_key, dtype=torch.float32)])
@@ -86,9 +91,11 @@ def predict_cases(
     network.to(device).eval()  # a network built on the CPU (a bundle's network_def) follows its inputs to the GPU
     with torch.no_grad():
         for entry in tqdm(cases, desc="predict", disable=not progress):
-            image = load(dict(entry))[image_key]
+            data = load(dict(entry))
+            image = data[image_key]
             logits = inferer(image.unsqueeze(0).to(device), network)
-            seg = logits.argmax(1).to(torch.uint8).cpu()
+            roi = data.get(ROI_KEY) if roi_threshold is not None else None
+            seg = mask_outside_roi(logits.argmax(1).to(torch.uint8).cpu(), roi)
             classes = component_classes(keep_largest_component, logits.shape[1])
             if classes:
                 seg = largest_connected_component(seg[0], logits.shape[1], classes=classes).to(torch.uint8)[None]

@@ -130,6 +130,7 @@ for _spec in (
             "transformer": {0.5: ("ce", 2e-3)},
         },
         max_epochs=2000,  # the paper: KiTS needed more iterations to converge
+        roi_threshold=-200.0,  # the reference code's body mask (DATASETS.md): HU > -200, largest component, filled
     ),
     TaskSpec(
         name="btcv_abdomen",

@@ -87,6 +87,10 @@ class TaskSpec:
             extra predicted components can only be false positives: what the bundles' ``--keep_largest_component
             task`` post-processes (:func:`jcsaug.evaluation.metrics.component_classes`). Not a class that is rightly
             several components: a label covering both kidneys, multifocal tumours or lesions.
+        roi_threshold: the task's region of interest, in the prepared image's units (KiTS: -200 HU, the
+            reference code's body mask): the largest connected component of the voxels above it, holes
+            filled (:class:`jcsaug.data.ThresholdROId`). The bundles draw background patch centres inside it and set
+            predictions outside it to background. ``None``: the whole volume.
     """
 
     name: str
@@ -110,6 +114,7 @@ class TaskSpec:
     train_on_val: bool = False
     nominal_spacing: tuple[float, float, float] | None = None
     single_component_classes: tuple[int, ...] = ()
+    roi_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.binarise_labels and (self.label_map is not None or len(self.labels) != 2):
