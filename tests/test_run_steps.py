@@ -201,6 +201,15 @@ def test_run_summary_gives_the_dice_of_the_reported_classes(tmp_path):
     )
 
 
+def test_run_summary_says_when_predictions_were_masked_by_the_roi(tmp_path):
+    """KiTS's body ROI: the summary says how many cases' predictions were masked; no line where none was."""
+    rows = [{"roi_masked": True}, {"roi_masked": True}]
+    lines = RunSummary(tmp_path).lines({"none": {"mean_dice": 0.5, "per_case": rows}})
+    assert lines[2] == "  predictions outside the task's ROI are background (2 of 2 cases)"
+    plain = RunSummary(tmp_path).lines({"none": {"mean_dice": 0.5, "per_case": [{"roi_masked": False}]}})
+    assert not any("ROI" in line for line in plain)
+
+
 def test_tensorboard_gets_the_probabilities_after_every_policy_update(tmp_path, monkeypatch):
     written = []
 

@@ -67,6 +67,10 @@ class RunSummary:
             means = {name: values["mean_dice"] for name, values in methods.items()}
             out.append(f"  {self.split} Dice (mean of {n} cases; no TTA = none): {_dice_changes(means)}")
             out += _reported_dice(methods, self.split)
+            rows = next(iter(methods.values())).get("per_case", [])
+            masked = sum(bool(row.get("roi_masked")) for row in rows)
+            if masked:
+                out.append(f"  predictions outside the task's ROI are background ({masked} of {len(rows)} cases)")
             kept = next(iter(methods.values())).get("largest_component_classes")
             if kept:
                 on_validation = (self.output_dir / POSTPROCESSING_NAME).is_file()
