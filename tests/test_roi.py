@@ -41,6 +41,9 @@ def test_the_roi_transform_adds_the_roi_or_nothing_and_names_the_file_of_an_imag
     out = ThresholdROId("image", -200.0)({"image": image, "label": torch.zeros_like(image)})
     np.testing.assert_array_equal(out[ROI_KEY][0].numpy(), expected)
     assert ROI_KEY not in ThresholdROId("image", None)({"image": image})  # no threshold: the data unchanged
+    with pytest.warns(UserWarning, match=r"every voxel of 'image' is in the ROI \(threshold -2000, image minimum "
+                                         r"-1000\): nothing is masked"):  # fmt: skip
+        assert ThresholdROId("image", -2000.0)({"image": image})[ROI_KEY].all()
     from monai.data import MetaTensor
 
     mr = MetaTensor(

@@ -11,6 +11,7 @@ predictions outside it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Mapping
 
 import numpy as np
@@ -111,6 +112,12 @@ class ThresholdROId(MapTransform):
                     f"case {case_name(d, key)}: no voxel of {key!r} is above the ROI threshold {self.threshold:g} "
                     f"(its range is [{float(image.min()):g}, {float(image.max()):g}]); the threshold is in the "
                     "units of the prepared file (HU for CT)"
+                )
+            if roi.all():  # nothing masked: a threshold below the image's range (not in HU?) or a volume inside a body
+                warnings.warn(
+                    f"case {case_name(d, key)}: every voxel of {key!r} is in the ROI (threshold {self.threshold:g}, "
+                    f"image minimum {float(torch.as_tensor(d[key]).min()):g}): nothing is masked",
+                    stacklevel=2,
                 )
             d[self.roi_key] = roi
         return d
