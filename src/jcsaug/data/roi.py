@@ -33,17 +33,16 @@ def threshold_roi(image: torch.Tensor | np.ndarray, threshold: float) -> torch.T
     image (any channel), with its holes filled in 3D: a ``(1, *spatial)`` uint8 mask, all zeros when no voxel is
     above the threshold.
 
-    Written with :func:`scipy.ndimage.label` and :func:`scipy.ndimage.binary_fill_holes`: MONAI's
-    ``KeepLargestConnectedComponent`` needs scikit-image on the CPU, which is not a dependency here.
+    The component is :func:`jcsaug.evaluation.metrics.largest_connected_component`'s (the post-processing's, with
+    ``scipy.ndimage``); the holes are filled with :func:`scipy.ndimage.binary_fill_holes`.
     """
+    # imported here: jcsaug.evaluation imports this module (the evaluation masks its predictions with the ROI)
+    from jcsaug.evaluation.metrics import largest_connected_component
+
     array = image.detach().cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
-    above = (array > threshold).any(axis=0)
-    components, count = ndimage.label(above, structure=ndimage.generate_binary_structure(above.ndim, above.ndim))
-    if count == 0:
-        return torch.zeros((1, *above.shape), dtype=torch.uint8)
-    largest = int(np.argmax(np.bincount(components.ravel())[1:])) + 1
-    filled = ndimage.binary_fill_holes(components == largest)
-    return torch.as_tensor(filled[None].astype(np.uint8))
+    above = (array > threshold).any(axis=0).astype(np.uint8)
+    largest = largest_connected_component(above, num_classes=2).numpy() > 0
+    return torch.as_tensor(ndimage.binary_fill_holes(largest)[None].astype(np.uint8))
 
 
 def mask_outside_roi(segmentation: torch.Tensor, roi: torch.Tensor | np.ndarray | None) -> torch.Tensor:
