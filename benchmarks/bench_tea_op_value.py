@@ -11,7 +11,9 @@ rank in the run's learned TEA policy (``policies.json``, when it has one); the o
 (``dataset.json`` ``domain_shift``) with both gains and both ranks; Spearman's rank correlation between the learned
 probabilities and the pair gains over the catalogue. With ``--patch-size``, also each op's effect on lesion-centred
 patches of that size, as the TEA updater measures it (the soft Dice loss of the op's mapped-back prediction minus
-the plain one's, x 100: negative helps). A Markdown table of the shift-undoing ops goes to ``--out``.
+the plain one's, x 100: negative helps), over every voxel and over the voxels the op kept in view only (the TEA's
+``mask_out_of_view``, the reference's), and how well each ranks the ops as their pair gains do (Spearman). A
+Markdown table of the shift-undoing ops goes to ``--out``.
 
 With ``--selections``, also what the learned policy's *choice* is worth: the split's Dice of TTA with the identity and
 ``--tea-z`` - 1 more ops, equal weights, the ops chosen four ways: the learned policy's top ops; every op measured on
@@ -46,7 +48,7 @@ from jcsaug.engine import latest_checkpoint, load_checkpoint
 from jcsaug.engine.tea_updater import soft_dice_loss
 from jcsaug.evaluation.segmentation import case_dice
 from jcsaug.inference import NoTTAInferer, TEAInferer
-from jcsaug.ops.tea import TEA_OPS, get_tea_op
+from jcsaug.ops.tea import TEA_OPS, get_tea_op, in_view_masks
 
 
 def op_gains(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.Tensor]], sw, num_classes: int,
@@ -82,16 +84,20 @@ def lesion_patches(volumes: list[tuple[torch.Tensor, torch.Tensor]], size: list[
 
 
 def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, torch.Tensor]],
-                  device: torch.device) -> dict[str, float]:  # fmt: skip
-    """``{op name: mean change of the soft Dice loss (x 100; < 0: the op helps)}`` of each op's mapped-back
-    prediction against the plain one on the same patch: what the TEA updater measures (``paired``)."""
+                  device: torch.device) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """``{op name: (over every voxel, over the voxels in view)}``, each the mean change of the soft Dice loss (x 100;
+    < 0: the op helps) of the op's mapped-back prediction against the plain one on the same patch: what the TEA
+    updater measures (``paired``), without and with its ``mask_out_of_view``."""
     images = torch.cat([x for x, _ in patches]).to(device)
     labels = torch.cat([y for _, y in patches]).to(device)
-    plain = soft_dice_loss(torch.softmax(network(images).float(), 1), labels)
+    probs = torch.softmax(network(images).float(), 1)
     effects = {}
     for op in TEA_OPS[1:]:
-        mapped = TEAInferer([op])(images, network).float()
-        effects[op.name] = 100 * float((soft_dice_loss(torch.softmax(mapped, 1), labels) - plain).mean())
+        mapped = torch.softmax(TEAInferer([op])(images, network).float(), 1)
+        in_view = in_view_masks([op], images.shape[2:], device)[0].expand(len(images), -1, -1, -1, -1)
+        everywhere = soft_dice_loss(mapped, labels) - soft_dice_loss(probs, labels)
+        masked = soft_dice_loss(mapped, labels, in_view) - soft_dice_loss(probs, labels, in_view)
+        effects[op.name] = (100 * float(everywhere.mean()), 100 * float(masked.mean()))
     return effects
 
 
@@ -199,21 +205,28 @@ def main(argv: list[str] | None = None) -> list[tuple]:
         by_pair = sorted(gains, key=lambda n: -gains[n][0])
         true_rank = {name: i + 1 for i, name in enumerate(by_pair)}
         print(f"\n{checkpoint}")
-        patch_head = f" {'patch loss':>10}" if on_patches else ""
+        patch_head = f" {'patch loss':>10} {'in view':>8}" if on_patches else ""
         print(f"  {'op':<28} {'pair':>7} {'alone':>7}{patch_head} {'learned rank':>13}")
 
         for name in by_pair[: args.top]:
             learned = f"{ranks[name][0]:>13}" if ranks else f"{'-':>13}"
-            patch = f" {on_patches[name]:>+10.2f}" if on_patches else ""
+            patch = f" {on_patches[name][0]:>+10.2f} {on_patches[name][1]:>+8.2f}" if on_patches else ""
             print(f"  {name:<28} {gains[name][0]:>+7.2f} {gains[name][1]:>+7.2f}{patch} {learned}")
         if ranks:
             names = list(gains)
             rho = spearmanr([ranks[n][1] for n in names], [gains[n][0] for n in names]).statistic
             print(f"  Spearman(learned probability, pair gain) over {len(names)} ops: {rho:+.2f}")
+        if on_patches:  # how the updater's patch scores rank the ops, against their worth on whole volumes
+            names = list(gains)
+            for i, voxels in enumerate(("every voxel", "the voxels in view")):
+                rho = spearmanr([-on_patches[n][i] for n in names], [gains[n][0] for n in names]).statistic
+                print(f"  Spearman(patch loss over {voxels}, falling; pair gain) over {len(names)} ops: {rho:+.2f}")
         for names in undoing:
             best = max(names, key=lambda n: gains[n][0])
             learned_rank = min(ranks[n][0] for n in names) if ranks else None
-            patch = f", patch loss {on_patches[best]:+.2f}" if on_patches else ""
+            patch = ""
+            if on_patches:
+                patch = f", patch loss {on_patches[best][0]:+.2f} ({on_patches[best][1]:+.2f} in view)"
             print(f"  shift-undoing {best}: pair {gains[best][0]:+.2f}, alone {gains[best][1]:+.2f}{patch}, rank by "
                   f"pair gain {true_rank[best]}, learned rank {learned_rank if ranks else '-'}")  # fmt: skip
             rows.append((run_dir, best, gains[best], true_rank[best], learned_rank))

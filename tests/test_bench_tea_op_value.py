@@ -57,8 +57,11 @@ def test_ops_the_network_commutes_with_gain_nothing_on_volumes_and_patches(bench
     assert set(gains) == set(effects) == {op.name for op in TEA_OPS[1:]}
     for name in EXACT:  # mapped back exactly: a missing or wrong inverse breaks this
         assert gains[name] == pytest.approx((0.0, 0.0), abs=1e-9), name
-        assert effects[name] == pytest.approx(0.0, abs=1e-5), name
-    assert gains["noise_0.125"] != (0.0, 0.0) and effects["gamma_expand_0.5"] != 0.0  # the others do change it
+        assert effects[name] == pytest.approx((0.0, 0.0), abs=1e-5), name
+    assert gains["noise_0.125"] != (0.0, 0.0) and effects["gamma_expand_0.5"][0] != 0.0  # the others do change it
+    # an intensity op keeps every voxel in view: both columns agree; a zoom in is scored on its centre in the second
+    assert effects["gamma_expand_0.5"][0] == pytest.approx(effects["gamma_expand_0.5"][1], abs=1e-6)
+    assert abs(effects["scale_up_0.45"][0] - effects["scale_up_0.45"][1]) > 0.1
     assert len(patches) == 5 and all(x.shape == y.shape == (1, 1, 8, 8, 8) for x, y in patches)
     assert all(y[0, 0, 4, 4, 4] == 1 for _, y in patches)  # lesion-centred
 

@@ -288,10 +288,10 @@ def test_every_bundle_runs_the_checks_and_guards(bundle, extra):
                               "tea_logit_budget", "val_batches", "val_average", "tea_patches", "tra_policy",
                               "tea_policy", "tra_lookahead", "tea_patch_size", "tea_poly_power", "augment_on",
                               "network_def#channels", "overwrite", "tra_direction", "tra_exploration",
-                              "tra_poly_power", "tra_start", "tra_val_tea"]),
+                              "tra_poly_power", "tra_start", "tra_val_tea", "tea_mask_out_of_view"]),
         ("kits19_tumor", ["network", "network_kwargs", "tra_policy", "tea_policy", "augment_on", "test_split",
                           "cache_rate", "overwrite", "train_fraction", "tea_poly_power", "tra_direction",
-                          "tra_exploration", "tra_poly_power", "tra_start", "tra_val_tea"]),
+                          "tra_exploration", "tra_poly_power", "tra_start", "tra_val_tea", "tea_mask_out_of_view"]),
     ],
 )  # fmt: skip
 def test_the_settings_of_issues_10_and_13_are_known_override_ids(bundle, ids):
@@ -341,6 +341,15 @@ def test_tea_sliding_window_predicts_the_teas_copies_with_the_test_inferer(monke
         assert tea.inferer is parser.get_parsed_content("sw_inferer") and tea.inferer is not None
     else:
         assert tea.inferer is None
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, False), ("false", False), ("true", True)])
+def test_tea_mask_out_of_view_reaches_the_tea_updater(monkeypatch, tmp_path, dataset, value, expected):
+    """``tea_mask_out_of_view`` (a flag: fire passes ``--tea_mask_out_of_view false`` as the string): the TEA updater
+    scores its copies on the voxels their ops kept in view, off by default in the synthetic bundle."""
+    overrides = {} if value is None else {"tea_mask_out_of_view": value}
+    tea = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser.get_parsed_content("policy_updaters").tea
+    assert tea.mask_out_of_view is expected
 
 
 @pytest.mark.parametrize("tea_poly_power", [None, 0.9, 2.0])

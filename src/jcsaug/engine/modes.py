@@ -206,6 +206,8 @@ class AugmentationSetup:
         tea_z, tea_identity_weight: the learned TTA's size and identity weight (as the bundles' test inferers
             take them), which the TEA op score ``ensemble`` rates ops for (:class:`TEAPolicyUpdater`'s ``tta_z``,
             ``tta_identity_weight``).
+        tea_mask_out_of_view: the TEA scores each copy on the voxels its op kept in view only, as the reference
+            does (:class:`TEAPolicyUpdater`'s ``mask_out_of_view``); also for ``learned-posthoc``.
     """
 
     def __init__(
@@ -224,6 +226,7 @@ class AugmentationSetup:
         tea_z: int = 8,
         tea_identity_weight: float | None = None,
         tra_catalogue: str = "spec",
+        tea_mask_out_of_view: bool = False,
     ) -> None:
         self.tra, self.tea = get_tra_mode(tra_mode), get_tea_mode(tea_mode)
         self.tra_mode, self.tea_mode = self.tra.name, self.tea.name
@@ -231,6 +234,7 @@ class AugmentationSetup:
         self.tra_estimator, self.tea_estimator = TRA_ESTIMATORS.key(tra_estimator), TEA_ESTIMATORS.key(tea_estimator)
         self.tea_op_score = TEA_OP_SCORES.key(tea_op_score)
         self.tea_z, self.tea_identity_weight = int(tea_z), tea_identity_weight
+        self.tea_mask_out_of_view = bool(tea_mask_out_of_view)
         self.tra_counterfactuals = int(tra_counterfactuals)
         if self.tra_estimator == "paired" and self.tra.learned and self.tra_counterfactuals < 1:
             raise ValueError(f"tra_counterfactuals={tra_counterfactuals}: the paired TRA estimator needs at least 1")
@@ -343,7 +347,7 @@ class AugmentationSetup:
                 update_every=tea_update_every, num_copies=num_copies, seed=seed, estimator=self.tea_estimator,
                 logit_budget=tea_logit_budget, patches=tea_patches, poly_power=tea_poly_power,
                 op_score=self.tea_op_score, tta_z=self.tea_z, tta_identity_weight=self.tea_identity_weight,
-                inferer=tea_inferer,
+                inferer=tea_inferer, mask_out_of_view=self.tea_mask_out_of_view,
             )  # fmt: skip
         return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea, tea_tested=self.tea.from_file)
 
@@ -369,6 +373,7 @@ class AugmentationSetup:
                 network, val_loader, posthoc_iterations, posthoc_lr, num_copies, policy=self.tea_policy,
                 seed=seed, estimator=self.tea_estimator, op_score=self.tea_op_score, tta_z=self.tea_z,
                 tta_identity_weight=self.tea_identity_weight, inferer=inferer,
+                mask_out_of_view=self.tea_mask_out_of_view,
             )  # fmt: skip
             self._posthoc_learned = True
         return self.tea_policy if self.tests_learned_tea else None

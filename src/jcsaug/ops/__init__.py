@@ -2,7 +2,7 @@
 
 from jcsaug.ops.axes import AXIS_NAMES, FRONTAL, LONGITUDINAL, SAGITTAL
 from jcsaug.ops.catalogue import OpSpec, Series
-from jcsaug.ops.tea import TEA_OPS, apply_tea_ops
+from jcsaug.ops.tea import TEA_OPS, apply_tea_ops, in_view_masks
 from jcsaug.ops.tra import (
     TRA_SERIES,
     TRAParams,
@@ -27,6 +27,7 @@ __all__ = [
     "apply_tea_ops",
     "apply_tra",
     "apply_tra_batch",
+    "in_view_masks",
     "resolve_tra_context",
     "sample_tra_params",
     "tra_catalogue_json",

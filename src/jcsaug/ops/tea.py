@@ -374,6 +374,31 @@ def apply_tea_ops_by_shape(
     return out  # type: ignore[return-value]
 
 
+def in_view_masks(
+    ops: Sequence[TEAOp], spatial_size: Sequence[int], device: torch.device | str = "cpu"
+) -> list[torch.Tensor]:
+    """Per op, a boolean ``[1, X, Y, Z]`` mask of the voxels of the original grid whose mapped-back prediction
+    (:meth:`TEAOp.invert`) reads the transformed volume itself (its sampling point at most half a voxel beyond the
+    outer voxel centres), not the border padding that fills what the op moved out of the field of view.
+
+    All ``True`` for ops that lose no voxel (mirrors, 90/180-degree turns, intensity ops) and for ops of a user's own
+    catalogue (nothing is known of their inverse); for a scale-up or a small rotation, the centre the op kept in view.
+    The reference code scores its TEA ops on these voxels only (its inverse fills the rest with zeros, which it masks
+    out of the soft Dice); a mask is derived from the op's cached inverse grid, so it costs one comparison."""
+    size = [int(s) for s in spatial_size]
+    if len(size) != 3:
+        raise ValueError(f"spatial_size must have 3 entries, got {list(spatial_size)}")
+    everywhere = torch.ones(1, *size, dtype=torch.bool, device=device)
+    masks = []
+    for op in ops:
+        if isinstance(op, TEAOp) and op.kind in ("scale", "rotate"):
+            grid = op.grid(size, device, torch.float32, inverse=True)  # normalised (align_corners=False): |g| <= 1
+            masks.append((grid.abs() <= 1.0).all(-1))
+        else:
+            masks.append(everywhere)
+    return masks
+
+
 def _one_op(op: TEAOp, x: torch.Tensor, what: str) -> torch.Tensor:
     """One op on ``x`` [..., X, Y, Z]: spatial ops treat all leading dims as channels, intensity ops treat each
     ``[C, X, Y, Z]`` sample on its own (a 3-dim ``x`` is one sample)."""
