@@ -117,6 +117,34 @@ def test_a_masked_score_ignores_what_the_op_moved_out_of_view(score):
     torch.testing.assert_close(masked[1:2], expected.double().cpu(), rtol=1e-5, atol=1e-7)
 
 
+class _CentreThreshold(_Threshold):
+    """A network without padding, as DeepMedic: it segments the centre of its input, 2 voxels in from each side."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)[..., 2:-2, 2:-2, 2:-2]
+
+
+@pytest.mark.parametrize("score", ["alone", "alone-hard", "ensemble"])
+def test_a_network_that_segments_the_centre_is_masked_on_its_own_grid(score):
+    """The prediction (and the label) of a network without padding cover the patch's centre: the mask is computed on
+    that grid, where the inverse reads the op's prediction (a DeepMedic bundle run once failed on the patch's grid)."""
+    image, label = _corner_lesion_patch()
+    centre = label[:, 2:-2, 2:-2, 2:-2]
+    policy = CategoricalPolicy([len(TEA_OPS)]).double()
+    zoom, mirror = get_tea_op("scale_up_0.45"), get_tea_op("mirror_sagittal")
+    updater = TEAPolicyUpdater(policy, _CentreThreshold(), [], num_copies=2, op_score=score, tta_z=3,
+                               mask_out_of_view=True)  # fmt: skip
+    masked = updater._mapped_back_dice(image, centre, [zoom, mirror])
+    plain = TEAPolicyUpdater(policy, _CentreThreshold(), [], num_copies=2, op_score=score, tta_z=3)._mapped_back_dice(
+        image, centre, [zoom, mirror])  # fmt: skip
+    assert masked[0] == plain[0] and masked[2] == plain[2] and masked[1] < plain[1]
+    if score == "alone":
+        (in_view,) = in_view_masks([zoom], centre.shape[1:])
+        mapped = updater._mapped_back_predictions(image, [zoom], logits=False)[1]
+        expected = soft_dice_loss(mapped[None], centre[None], in_view[None]).double()
+        torch.testing.assert_close(masked[1:2], expected, rtol=1e-5, atol=1e-7)
+
+
 def test_a_masked_ensemble_score_counts_an_ops_change_where_it_kept_the_view():
     """``op_score="ensemble"``: op k's first-order change ``g . (l_k - l_0)`` is summed over its in-view voxels."""
     image, label = _corner_lesion_patch()

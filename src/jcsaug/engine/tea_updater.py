@@ -297,7 +297,7 @@ class TEAPolicyUpdater(PolicyUpdater):
             return self._ensemble_scores(image, label, ops)
         logits = self.op_score != "alone"
         mapped = torch.stack(self._mapped_back_predictions(image, ops, logits))
-        masks = self._in_view(image, ops)
+        masks = self._in_view(mapped, ops)
         if self.op_score.startswith("with-identity"):  # the TTA's ensemble of the identity and the op: logits averaged
             mapped = torch.cat([mapped[:1], (mapped[:1] + mapped[1:]) / 2])
         labels = label.unsqueeze(0).expand(len(mapped), *label.shape)
@@ -306,12 +306,14 @@ class TEAPolicyUpdater(PolicyUpdater):
         probs = torch.softmax(mapped, dim=1) if logits else mapped
         return soft_dice_loss(probs, labels, masks).double().cpu()
 
-    def _in_view(self, image: torch.Tensor, ops: Sequence) -> torch.Tensor | None:
+    def _in_view(self, prediction: torch.Tensor, ops: Sequence) -> torch.Tensor | None:
         """``[1 + len(ops), 1, X, Y, Z]`` the voxels each copy is scored on (the untouched copy's: all), or ``None``
-        (every voxel) unless ``mask_out_of_view``."""
+        (every voxel) unless ``mask_out_of_view``; on the grid of the ``prediction`` (``[..., X, Y, Z]``), which is
+        smaller than the patch for a network without padding such as DeepMedic: in view is then where the inverse
+        reads the op's prediction, the central part of its copy that the network segments."""
         if not self.mask_out_of_view:
             return None
-        masks = in_view_masks([self.ops[0], *ops], image.shape[-3:], image.device)
+        masks = in_view_masks([self.ops[0], *ops], prediction.shape[-3:], prediction.device)
         return torch.stack(masks)
 
     def _mapped_back_predictions(self, image: torch.Tensor, ops: Sequence, logits: bool) -> list[torch.Tensor]:
@@ -343,7 +345,7 @@ class TEAPolicyUpdater(PolicyUpdater):
             loss = soft_dice_loss(torch.softmax(ensemble, dim=0)[None], label[None])[0]
             (g,) = torch.autograd.grad(loss, ensemble)
         untouched = soft_dice_loss(torch.softmax(mapped[0], dim=0)[None], label[None])[0]
-        masks = self._in_view(image, ops)  # an op's change counted where it kept the view
+        masks = self._in_view(mapped[0], ops)  # an op's change counted where it kept the view
         changes = [
             (g * (logits_of[id(op)] - mapped[0]) * (1.0 if masks is None else masks[1 + k])).sum()
             for k, op in enumerate(ops)
