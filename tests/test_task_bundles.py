@@ -243,6 +243,15 @@ def test_paper_bundles_learn_with_the_paired_estimators_and_the_papers_budgets()
         assert parser.get_parsed_content(cascade).counterfactuals == 2, cascade
 
 
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_paper_bundles_score_the_teas_copies_on_the_voxels_in_view(task):
+    """The reference masks what a TEA op moved out of the patch: the dataset bundles do by default (the TEA scores
+    training-size patches there); ``--tea_mask_out_of_view false`` scores every voxel."""
+    assert _parser(task).get_parsed_content("augmentation").tea_mask_out_of_view is True
+    off = _parser(task, tea_mask_out_of_view="false").get_parsed_content("augmentation")  # as fire passes it
+    assert off.tea_mask_out_of_view is False
+
+
 def test_no_config_or_module_asks_which_network_it_has():
     """Per-network defaults live in the network registry: no branch on a network's name in the YAML or the code."""
     root = BUNDLES.parent

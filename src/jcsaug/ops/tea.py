@@ -29,7 +29,7 @@ the original grid):
   convention, resampled by :func:`jcsaug.ops.resample.resample` with a grid built once per op and shape
   and cached); the inverse resamples the prediction with the exact inverse matrix (bilinear,
   ``"border"`` padding), so it is exact up to two linear interpolations, except near the border where
-  content left the field of view;
+  content left the field of view (:func:`in_view_masks` marks the voxels that stayed in view);
 * intensity ops have an identity inverse.
 
 Padding: images are resampled with ``"border"`` padding (edge values are repeated rather than
