@@ -53,6 +53,21 @@ def synthetic_tra_policy(preset: str = "nnunet", num_groups: int = 2):
     return make_tra_policy(preset, num_groups, catalogue=catalogue)
 
 
+def spy_posthoc_tea_updater(monkeypatch) -> dict:
+    """The keyword arguments the post-hoc TEA learning builds its ``TEAPolicyUpdater`` with, filled once it does."""
+    import jcsaug.engine.posthoc as posthoc
+
+    seen: dict = {}
+    real = posthoc.TEAPolicyUpdater
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(posthoc, "TEAPolicyUpdater", spy)
+    return seen
+
+
 def load_benchmark(name: str) -> ModuleType:
     """Import ``benchmarks/<name>.py`` (a script folder, not a package) as a module, with the folder on ``sys.path``
     as when the script runs (a benchmark may import a sibling's helpers)."""

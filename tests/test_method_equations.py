@@ -790,17 +790,10 @@ def test_collective_step_on_two_gloo_ranks_applies_the_mean(tmp_path):
 def test_tea_op_score_reaches_the_post_hoc_learning(monkeypatch):
     """``tea_mode learned-posthoc``: the TEA learned after training scores its ops as ``tea_op_score`` says (the
     setting is not ignored where the TEA is learned on the frozen network)."""
-    import jcsaug.engine.posthoc as posthoc
+    from helpers import spy_posthoc_tea_updater
     from jcsaug.engine import AugmentationSetup
 
-    seen = {}
-    real = posthoc.TEAPolicyUpdater
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(posthoc, "TEAPolicyUpdater", spy)
+    seen = spy_posthoc_tea_updater(monkeypatch)
     label = torch.zeros(1, 1, 8, 8, 8)
     label[0, 0, 4:, 4:, 4:] = 1
     setup = AugmentationSetup("heuristic", "learned-posthoc", tea_op_score="with-identity")

@@ -164,16 +164,9 @@ def test_a_masked_ensemble_score_counts_an_ops_change_where_it_kept_the_view():
 def test_the_mask_setting_reaches_both_tea_learners_and_a_resume_keeps_it(monkeypatch):
     """``tea_mask_out_of_view``: the TEA learned in joint mode and post hoc masks; a checkpoint records it (and a run
     from before the setting, which masked nothing, records nothing)."""
-    import jcsaug.engine.posthoc as posthoc
+    from helpers import spy_posthoc_tea_updater
 
-    seen = {}
-    real = posthoc.TEAPolicyUpdater
-
-    def spy(*args, **kwargs):
-        seen.update(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(posthoc, "TEAPolicyUpdater", spy)
+    seen = spy_posthoc_tea_updater(monkeypatch)
     image, label = _corner_lesion_patch()
     batch = [{"image": image[None], "label": label[None]}]
     AugmentationSetup("heuristic", "learned-posthoc", tea_mask_out_of_view=True).test_tea_policy(
