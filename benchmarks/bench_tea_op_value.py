@@ -91,11 +91,12 @@ def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, to
     images = torch.cat([x for x, _ in patches]).to(device)
     labels = torch.cat([y for _, y in patches]).to(device)
     probs = torch.softmax(network(images).float(), 1)
+    plain = soft_dice_loss(probs, labels)
     effects = {}
     for op in TEA_OPS[1:]:
         mapped = torch.softmax(TEAInferer([op])(images, network).float(), 1)
         in_view = in_view_masks([op], images.shape[2:], device)[0].expand(len(images), -1, -1, -1, -1)
-        everywhere = soft_dice_loss(mapped, labels) - soft_dice_loss(probs, labels)
+        everywhere = soft_dice_loss(mapped, labels) - plain
         masked = soft_dice_loss(mapped, labels, in_view) - soft_dice_loss(probs, labels, in_view)
         effects[op.name] = (100 * float(everywhere.mean()), 100 * float(masked.mean()))
     return effects
