@@ -8,6 +8,7 @@ from jcsaug.data.context_crop import ContextCropd, crop_with_context
 from jcsaug.data.normalise import intensity_normalisation
 from jcsaug.data.roi import ROI_KEY, ThresholdROId, mask_outside_roi, threshold_roi
 from jcsaug.data.synthetic import make_synthetic_dataset, synthetic_datalist
+from jcsaug.data.volume_stats import VOLUME_STATS_PREFIX, VolumeStatsd, batch_volume_stats
 
 __all__ = [
     "CacheDataset",
@@ -17,6 +18,9 @@ __all__ = [
     "ContextCropd",
     "SafeLoadImaged",
     "ThresholdROId",
+    "VOLUME_STATS_PREFIX",
+    "VolumeStatsd",
+    "batch_volume_stats",
     "crop_with_context",
     "intensity_normalisation",
     "make_synthetic_dataset",

@@ -357,7 +357,7 @@ def _validators() -> dict[str, Any]:
         "val_average": _fraction(low_open=True),
         "cache_rate": _fraction(low_open=False),
         **dict.fromkeys(("resume", "overwrite", "train_on_val", "plots"), _flag),
-        **dict.fromkeys(("tea_sliding_window", "tea_mask_out_of_view", "tra_val_tea"), _flag),
+        **dict.fromkeys(("tea_sliding_window", "tea_mask_out_of_view", "tea_volume_stats", "tra_val_tea"), _flag),
         "keep_largest_component": _component_classes,
         "tra_mode": _one_of(TRA_MODES),
         "tea_mode": _one_of(TEA_MODES),

@@ -12,9 +12,11 @@ from monai.metrics import compute_dice
 from monai.networks.utils import one_hot
 from torch import nn
 
+from jcsaug.data.volume_stats import batch_volume_stats
 from jcsaug.engine.base import PolicyUpdater, PrepareBatch, SkipUpdate, ValidationStream, make_prepare_batch
 from jcsaug.engine.losses import main_output
 from jcsaug.inference.tta import tta_selection
+from jcsaug.ops.intensity import VolumeStats
 from jcsaug.ops.tea import apply_tea_ops, apply_tea_ops_by_shape, in_view_masks
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.transforms import centre_class
@@ -166,6 +168,11 @@ class TEAPolicyUpdater(PolicyUpdater):
             64³ patch, 67 % of the voxels of ``scale_up_0.45``, 14 % of a 25-degree rotation's). ``False``
             (the default) scores every voxel.
 
+    Volume statistics: when the validation batches carry their volumes' intensity statistics
+    (:class:`jcsaug.data.VolumeStatsd` in the validation pipeline, before the crop), the copies' intensity ops read
+    them instead of the patch's own (gamma's range, contrast's mean, sharpening's clip), so an op bends a patch as it
+    bends the whole volume the TTA applies it to at test time; without them, each patch's own.
+
     Example: learn a TEA policy for a frozen network, one update per iteration::
 
         >>> import torch
@@ -261,42 +268,48 @@ class TEAPolicyUpdater(PolicyUpdater):
             tta_selection(policy.logits.detach()[0], self.tta_z, self.tta_identity_weight, name="tta_z")
         self.num_copies = int(num_copies)
         self.val_stream = ValidationStream(val_loader)
+        self.image_key = image_key
         self.prepare_batch = prepare_batch or make_prepare_batch(image_key, label_key)
         self.max_batches = int(max_batches)
         self.last_dice: dict[str, float] = {}
 
-    def _foreground_patches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Up to ``count`` foreground-centred validation patches (else patches with some foreground)."""
+    def _foreground_patches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor, VolumeStats | None]]:
+        """Up to ``count`` foreground-centred validation patches (else patches with some foreground), each with its
+        volume's intensity statistics (``[1]`` each) when the batch carries them."""
         found, fallback = [], []
         for _ in range(self.max_batches):
             batch: Mapping | None = self.val_stream.next()
             if batch is None:
                 raise SkipUpdate("the validation loader is empty")
             image, label = self.prepare_batch(batch, self.device)
+            stats = batch_volume_stats(batch, self.image_key)
             for i in range(image.shape[0]):
+                patch = (image[i], label[i], None if stats is None else {k: v[i : i + 1] for k, v in stats.items()})
                 if centre_class(label[i].cpu()) != 0:
-                    found.append((image[i], label[i]))
+                    found.append(patch)
                     if len(found) == count:
                         return found
                 elif bool((label[i] != 0).any()):
-                    fallback.append((image[i], label[i]))
+                    fallback.append(patch)
         found += fallback[: count - len(found)]
         if not found:
             raise SkipUpdate("no validation patch with foreground")
         return found
 
-    def _mapped_back_dice(self, image: torch.Tensor, label: torch.Tensor, ops: Sequence) -> torch.Tensor:
+    def _mapped_back_dice(
+        self, image: torch.Tensor, label: torch.Tensor, ops: Sequence, stats: VolumeStats | None = None
+    ) -> torch.Tensor:
         """Soft Dice losses ``[1 + len(ops)]`` of the untouched patch and of each op's mapped-back prediction: its
         softmax probabilities mapped back (``op_score="alone"``), its logits mapped back and then the softmax
         (``"alone-logits"``, as :class:`jcsaug.inference.TEAInferer` forms it), or the average of its mapped-back
         logits and the untouched copy's (``"with-identity"``); with ``"alone-hard"`` / ``"with-identity-hard"`` one
         minus the hard Dice of the argmax of the op's mapped-back logits / of that average (the untouched copy's own
         logits for the untouched one). With ``mask_out_of_view``, each over the voxels its op kept in view (a pair: its
-        op's)."""
+        op's). ``stats``: the patch's volume's intensity statistics (``[1]`` each) for the copies' intensity ops."""
         if self.op_score == "ensemble":
-            return self._ensemble_scores(image, label, ops)
+            return self._ensemble_scores(image, label, ops, stats)
         logits = self.op_score != "alone"
-        mapped = torch.stack(self._mapped_back_predictions(image, ops, logits))
+        mapped = torch.stack(self._mapped_back_predictions(image, ops, logits, stats))
         masks = self._in_view(mapped, ops)
         if self.op_score.startswith("with-identity"):  # the TTA's ensemble of the identity and the op: logits averaged
             mapped = torch.cat([mapped[:1], (mapped[:1] + mapped[1:]) / 2])
@@ -316,20 +329,26 @@ class TEAPolicyUpdater(PolicyUpdater):
         masks = in_view_masks([self.ops[0], *ops], prediction.shape[-3:], prediction.device)
         return torch.stack(masks)
 
-    def _mapped_back_predictions(self, image: torch.Tensor, ops: Sequence, logits: bool) -> list[torch.Tensor]:
+    def _mapped_back_predictions(
+        self, image: torch.Tensor, ops: Sequence, logits: bool, stats: VolumeStats | None = None
+    ) -> list[torch.Tensor]:
         """The network's predictions (softmax, or ``logits``) of the untouched patch and of each op's copy mapped
         back by its inverse, ``[C, ...]`` each; the network in eval mode without gradients, its mode restored."""
         was_training = self.model.training
         self.model.eval()
+        if stats is not None:  # the patch's volume's statistics, one row per copy
+            stats = {k: v.expand(len(ops)) for k, v in stats.items()}
         try:
             with torch.no_grad():
-                copies = apply_tea_ops(ops, image.expand(len(ops), *image.shape), "image")  # one batched call
+                copies = apply_tea_ops(ops, image.expand(len(ops), *image.shape), "image", stats)  # one batched call
                 preds = predict_by_shape(self.model, [image, *copies], logits=logits, inferer=self.inferer)
         finally:
             self.model.train(was_training)
         return [preds[0], *apply_tea_ops_by_shape(ops, preds[1:], "invert")]
 
-    def _ensemble_scores(self, image: torch.Tensor, label: torch.Tensor, ops: Sequence) -> torch.Tensor:
+    def _ensemble_scores(
+        self, image: torch.Tensor, label: torch.Tensor, ops: Sequence, stats: VolumeStats | None = None
+    ) -> torch.Tensor:
         """``op_score="ensemble"``: ``[1 + len(ops)]`` the untouched copy's soft Dice loss and, per op, that loss
         plus ``g . (l_op - l_identity)`` (see the class docstring); every op is predicted once."""
         indices, weights = tta_selection(self.policy.logits.detach()[0], self.tta_z, self.tta_identity_weight, "tta_z")
@@ -337,7 +356,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         identity = self.ops[0]
         # the ops to predict, each once (by identity of the op object; the identity is the untouched copy)
         predicted = list({id(op): op for op in [*ops, *members] if op is not identity}.values())
-        mapped = [m.double() for m in self._mapped_back_predictions(image, predicted, logits=True)]
+        mapped = [m.double() for m in self._mapped_back_predictions(image, predicted, True, stats)]
         logits_of = {id(op): m for op, m in zip([identity, *predicted], mapped)}
 
         ensemble = sum(w * logits_of[id(op)] for op, w in zip(members, weights.tolist())).detach().requires_grad_()
@@ -354,10 +373,10 @@ class TEAPolicyUpdater(PolicyUpdater):
 
     def _paired_update(self, engine: Engine) -> None:
         measured_ops, effects, untouched, augmented = [], [], [], []
-        for image, label in self._foreground_patches(self.patches):
+        for image, label, stats in self._foreground_patches(self.patches):
             # Z distinct non-identity ops, uniformly: every op is measured whatever its probability
             drawn = torch.randperm(len(self.ops) - 1, generator=self.generator)[: self.num_copies] + 1
-            dice = self._mapped_back_dice(image, label, [self.ops[int(k)] for k in drawn])
+            dice = self._mapped_back_dice(image, label, [self.ops[int(k)] for k in drawn], stats)
             if not torch.isfinite(dice).all():
                 raise SkipUpdate("non-finite TEA Dice")
             measured_ops.append(drawn)
@@ -382,8 +401,9 @@ class TEAPolicyUpdater(PolicyUpdater):
         z = self.num_copies
         choices, weights = self.policy.gumbel_sample(torch.zeros(len(patches) * z, dtype=torch.long), self.generator)
         h, untouched, augmented = [], [], []
-        for p, (image, label) in enumerate(patches):  # each patch with its own Z copies
-            dice = self._mapped_back_dice(image, label, [self.ops[int(k)] for k in choices[p * z : (p + 1) * z, 0]])
+        for p, (image, label, stats) in enumerate(patches):  # each patch with its own Z copies
+            ops = [self.ops[int(k)] for k in choices[p * z : (p + 1) * z, 0]]
+            dice = self._mapped_back_dice(image, label, ops, stats)
             if not torch.isfinite(dice).all():
                 raise SkipUpdate("non-finite TEA Dice")
             untouched.append(float(dice[0]))

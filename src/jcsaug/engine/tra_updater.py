@@ -9,6 +9,7 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
+from jcsaug.data.volume_stats import batch_volume_stats
 from jcsaug.engine.base import (
     PolicyUpdater,
     PrepareBatch,
@@ -29,6 +30,7 @@ from jcsaug.engine.hypergradient import (
 )
 from jcsaug.engine.lookahead import NeumannLookAhead
 from jcsaug.engine.losses import PerSampleLoss, chunked_loss, get_loss, main_output
+from jcsaug.ops.intensity import VolumeStats
 from jcsaug.ops.tea import apply_tea_ops
 from jcsaug.policy.cascade import COUNTERFACTUAL_SUFFIX, DEFAULT_CF_OP_KEY
 from jcsaug.policy.categorical import CategoricalPolicy
@@ -77,15 +79,17 @@ def tea_transform_batch(
     tea_policy: CategoricalPolicy,
     ops: Sequence,
     generator: torch.Generator,
+    stats: VolumeStats | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Transform each validation sample by a TEA op drawn from ``tea_policy`` (image and label together).
 
-    The ops of all samples run batched on the batch's device (:func:`jcsaug.ops.tea.apply_tea_ops`). Returns
-    ``(image, label)`` mini-batches of equal shapes (90-degree rotations of non-cubic patches change shapes)."""
+    The ops of all samples run batched on the batch's device (:func:`jcsaug.ops.tea.apply_tea_ops`; ``stats``: the
+    samples' volumes' intensity statistics, :func:`jcsaug.data.batch_volume_stats`). Returns ``(image, label)``
+    mini-batches of equal shapes (90-degree rotations of non-cubic patches change shapes)."""
     probs = tea_policy.probabilities()[0][0]
     drawn = torch.multinomial(probs, image.shape[0], replacement=True, generator=generator)
     chosen = [ops[k] for k in drawn.tolist()]
-    images, labels = apply_tea_ops(chosen, image, "image"), apply_tea_ops(chosen, label, "label")
+    images, labels = apply_tea_ops(chosen, image, "image", stats), apply_tea_ops(chosen, label, "label")
     by_shape: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for x, y in zip(images, labels):
         by_shape.setdefault(tuple(x.shape), []).append((x, y))
@@ -317,7 +321,8 @@ class TRAPolicyUpdater(PolicyUpdater):
                 raise SkipUpdate("the validation loader is empty")
             image, label = self.prepare_batch(batch, self.device)
             if self.tea_policy is not None:
-                chunks = tea_transform_batch(image, label, self.tea_policy, self.tea_ops, self.generator)
+                stats = batch_volume_stats(batch, self.image_key)
+                chunks = tea_transform_batch(image, label, self.tea_policy, self.tea_ops, self.generator, stats)
             else:
                 chunks = [(image, label)]
             loss = self._validation_loss(chunks) / self.val_batches

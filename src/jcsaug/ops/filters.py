@@ -105,11 +105,19 @@ def laplacian_of_gaussian_batch(x: torch.Tensor, sigma: Sequence[float]) -> torc
     return out
 
 
-def log_sharpen_batch(x: torch.Tensor, sigma: Sequence[float]) -> torch.Tensor:
-    """The paper's sharpening ``x - LoG(x, sigma)``, clipped to each sample's input range."""
+def log_sharpen_batch(
+    x: torch.Tensor,
+    sigma: Sequence[float],
+    *,
+    low: torch.Tensor | None = None,
+    high: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The paper's sharpening ``x - LoG(x, sigma)``, clipped to each sample's input range (or to ``low`` / ``high``
+    ``[B]``, a patch's volume's range)."""
     out = x - laplacian_of_gaussian_batch(x, sigma)
-    flat = x.reshape(x.shape[0], -1)
-    low, high = torch.aminmax(flat, dim=1)
+    if low is None or high is None:
+        low, high = torch.aminmax(x.reshape(x.shape[0], -1), dim=1)
+    low, high = low.to(x), high.to(x)
     shape = (-1, *([1] * (x.ndim - 1)))
     return torch.maximum(torch.minimum(out, high.view(shape)), low.view(shape))
 

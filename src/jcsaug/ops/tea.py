@@ -37,8 +37,9 @@ inventing a zero intensity that may not be background after normalisation), labe
 ``"zeros"`` (background) and nearest neighbour, so labels keep their values and dtype.
 
 Intensity ops act on each ``[C, X, Y, Z]`` sample (the last four dims) separately, like the TRA
-pipeline acts on a sample: min/max (gamma), mean (contrast) and range (sharpening clip) are per sample,
-and every sample of a batch gets the op's fixed noise.
+pipeline acts on a sample: min/max (gamma), mean (contrast) and range (sharpening clip) are per sample
+(or, for a patch, its volume's, given to :func:`apply_tea_ops` as ``stats``), and every sample of a batch
+gets the op's fixed noise.
 
 :func:`apply_tea_ops` applies a different op to each row of a batch (the Z copies of a TEA update, the z
 ops of test-time inference) on the batch's device: all affine rows in one ``grid_sample`` call, intensity
@@ -317,19 +318,22 @@ def _spatial_rows(ops: Sequence[TEAOp], x: torch.Tensor, what: str) -> list[torc
     return out  # type: ignore[return-value]
 
 
-def _intensity_rows(ops: Sequence[TEAOp], x: torch.Tensor) -> torch.Tensor:
+def _intensity_rows(ops: Sequence[TEAOp], x: torch.Tensor, stats: intensity.VolumeStats | None = None) -> torch.Tensor:
     """The intensity part of ``ops[k]`` on row ``x[k]`` (a [C, X, Y, Z] sample), vectorised per op kind (the
-    table :data:`jcsaug.ops.intensity.INTENSITY_KINDS` the TRA cascade uses too)."""
+    table :data:`jcsaug.ops.intensity.INTENSITY_KINDS` the TRA cascade uses too); ``stats``: per-row volume
+    statistics for the ops that read a range or a mean."""
     kinds = intensity.INTENSITY_KINDS
     values = {
         name: [op.value if op.kind == name else kind.identity for op in ops]
         for name, kind in kinds.items()
         if any(op.kind == name for op in ops)
     }
-    return intensity.apply_kinds(x, values, [NOISE_SEED_BASE + op.id for op in ops])
+    return intensity.apply_kinds(x, values, [NOISE_SEED_BASE + op.id for op in ops], stats=stats)
 
 
-def apply_tea_ops(ops: Sequence[TEAOp], x: torch.Tensor, what: str = "image") -> list[torch.Tensor]:
+def apply_tea_ops(
+    ops: Sequence[TEAOp], x: torch.Tensor, what: str = "image", stats: intensity.VolumeStats | None = None
+) -> list[torch.Tensor]:
     """Apply ``ops[k]`` to row ``x[k]`` of a batch ``[K, C, X, Y, Z]``, on its device, all rows at once.
 
     ``what``: ``"image"`` (spatial and intensity ops; bilinear, border padding), ``"label"`` (spatial ops only;
@@ -339,6 +343,11 @@ def apply_tea_ops(ops: Sequence[TEAOp], x: torch.Tensor, what: str = "image") ->
     intensity ops are vectorised over the rows of each kind. Returns one tensor per row (90-degree rotations
     of non-cubic volumes change shapes). Ops of a user's own catalogue (objects with ``transform_image``,
     ``transform_label`` and ``invert`` rather than :class:`TEAOp` s) are applied row by row.
+
+    ``stats`` (``what="image"``): :data:`jcsaug.ops.intensity.VolumeStats` with one entry per row, the statistics of
+    the volume each row (a patch) was cut from, which the gamma, contrast and sharpening ops then read instead of the
+    row's own: the op bends a patch's intensities as it bends them on the whole volume at test time (``None``: each
+    row's own, right for whole volumes).
     """
     if what not in _WHAT:
         raise ValueError(f"what must be one of {_WHAT}, got {what!r}")
@@ -352,7 +361,7 @@ def apply_tea_ops(ops: Sequence[TEAOp], x: torch.Tensor, what: str = "image") ->
         x = x if x.is_floating_point() else x.float()
         intensity_ops = [op if not op.is_spatial else TEA_OPS[0] for op in ops]
         if any(op.kind != "identity" for op in intensity_ops):
-            x = _intensity_rows(intensity_ops, x)
+            x = _intensity_rows(intensity_ops, x, stats)
     if not any(op.is_spatial for op in ops):
         return list(x.unbind(0))
     return _spatial_rows(ops, x, what)
