@@ -112,7 +112,7 @@ MODES: dict[str, dict[str, str]] = {
         "tra_step": "adam", "tra_lookahead": "1", "tra_direction": "validation", "tra_catalogue": "spec",
         "val_batches": "1", "num_tea_copies": "10", "tea_patch_size": "None", "tra_poly_power": "0.9",
         "tea_poly_power": "0.9", "tra_logit_budget": "None", "tea_logit_budget": "None", "tra_lr": "0.02",
-        "tea_lr": "0.01", "tea_mask_out_of_view": "true",
+        "tea_lr": "0.01", "tea_mask_out_of_view": "true", "tea_volume_stats": "true",
     },
     "learned+joint": {"tra_mode": "learned", "tea_mode": "joint"},
     "class-specific+mirror": {"tra_mode": "class-specific", "tea_mode": "heuristic"},

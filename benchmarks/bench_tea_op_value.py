@@ -12,8 +12,9 @@ rank in the run's learned TEA policy (``policies.json``, when it has one); the o
 probabilities and the pair gains over the catalogue. With ``--patch-size``, also each op's effect on lesion-centred
 patches of that size, as the TEA updater measures it (the soft Dice loss of the op's mapped-back prediction minus
 the plain one's, x 100: negative helps), over every voxel and over the voxels the op kept in view only (the TEA's
-``mask_out_of_view``, the reference's), and how well each ranks the ops as their pair gains do (Spearman). A
-Markdown table of the shift-undoing ops goes to ``--out``.
+``mask_out_of_view``, the reference's), and in view with the intensity ops reading the patch's volume's range and
+mean instead of the patch's own (``tea_volume_stats``, as the ops act on the whole volume at test time), and how well
+each ranks the ops as their pair gains do (Spearman). A Markdown table of the shift-undoing ops goes to ``--out``.
 
 With ``--selections``, also what the learned policy's *choice* is worth: the split's Dice of TTA with the identity and
 ``--tea-z`` - 1 more ops, equal weights, the ops chosen four ways: the learned policy's top ops; every op measured on
@@ -44,11 +45,15 @@ from scipy.stats import spearmanr
 from synthetic_bundle import SYNTHETIC_TRAIN  # this folder's path to the synthetic bundle
 from tqdm.auto import tqdm
 
+from jcsaug.data import VolumeStatsd, batch_volume_stats
 from jcsaug.engine import latest_checkpoint, load_checkpoint
 from jcsaug.engine.tea_updater import soft_dice_loss
 from jcsaug.evaluation.segmentation import case_dice
 from jcsaug.inference import NoTTAInferer, TEAInferer
-from jcsaug.ops.tea import TEA_OPS, get_tea_op, in_view_masks
+from jcsaug.ops.tea import TEA_OPS, apply_tea_ops, get_tea_op, in_view_masks
+
+#: the three ways ``patch_effects`` scores an op on a patch (columns of the table, rows of the Spearman lines)
+PATCH_SCORES = ("every voxel", "in view", "in view, volume stats")
 
 
 def op_gains(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.Tensor]], sw, num_classes: int,
@@ -70,35 +75,44 @@ def op_gains(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.T
 
 
 def lesion_patches(volumes: list[tuple[torch.Tensor, torch.Tensor]], size: list[int], count: int,
-                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:  # fmt: skip
     """``count`` lesion-centred patches of ``size`` (MONAI's ``RandCropByPosNegLabeld``, seeded), in turn from each
-    volume, ``[1, 1, ...]`` each."""
+    volume, ``[1, 1, ...]`` each, with their volume's intensity statistics (``VolumeStatsd``, ``[1]`` each)."""
     crop = RandCropByPosNegLabeld(["image", "label"], "label", size, pos=1, neg=0, num_samples=1, allow_smaller=True)
     crop.set_random_state(seed)
+    record = VolumeStatsd("image")
     patches = []
     for i in range(count):
         image, label = volumes[i % len(volumes)]
-        out = crop({"image": image[0], "label": label[0]})[0]
-        patches.append((torch.as_tensor(out["image"])[None], torch.as_tensor(out["label"])[None]))
+        out = crop(record({"image": image[0], "label": label[0]}))[0]
+        stats = batch_volume_stats(out)  # one item: [1] each
+        patches.append((torch.as_tensor(out["image"])[None], torch.as_tensor(out["label"])[None], stats))
     return patches
 
 
-def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, torch.Tensor]],
-                  device: torch.device) -> dict[str, tuple[float, float]]:  # fmt: skip
-    """``{op name: (over every voxel, over the voxels in view)}``, each the mean change of the soft Dice loss (x 100;
-    < 0: the op helps) of the op's mapped-back prediction against the plain one on the same patch: what the TEA
-    updater measures (``paired``), without and with its ``mask_out_of_view``."""
-    images = torch.cat([x for x, _ in patches]).to(device)
-    labels = torch.cat([y for _, y in patches]).to(device)
+def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, torch.Tensor, dict]],
+                  device: torch.device) -> dict[str, tuple[float, float, float]]:  # fmt: skip
+    """``{op name: one effect per PATCH_SCORES}``, each the mean change of the soft Dice loss (x 100; < 0: the op
+    helps) of the op's mapped-back prediction against the plain one on the same patch: what the TEA updater measures
+    (``paired``), without and with its ``mask_out_of_view``, and with it and the patches' volume statistics."""
+    images = torch.cat([x for x, _, _ in patches]).to(device)
+    labels = torch.cat([y for _, y, _ in patches]).to(device)
+    stats = {k: torch.cat([s[k] for _, _, s in patches]) for k in patches[0][2]}
     probs = torch.softmax(network(images).float(), 1)
     plain = soft_dice_loss(probs, labels)
     effects = {}
     for op in TEA_OPS[1:]:
-        mapped = torch.softmax(TEAInferer([op])(images, network).float(), 1)
+        ops = [op] * len(images)
         in_view = in_view_masks([op], images.shape[2:], device)[0].expand(len(images), -1, -1, -1, -1)
-        everywhere = soft_dice_loss(mapped, labels) - plain
-        masked = soft_dice_loss(mapped, labels, in_view) - soft_dice_loss(probs, labels, in_view)
-        effects[op.name] = (100 * float(everywhere.mean()), 100 * float(masked.mean()))
+        plain_in_view = soft_dice_loss(probs, labels, in_view)
+        changes = []
+        for given in (None, stats):  # the patch's own statistics, then its volume's
+            copies = torch.stack(apply_tea_ops(ops, images, "image", given))
+            mapped = torch.softmax(torch.stack(apply_tea_ops(ops, network(copies).float(), "invert")), 1)
+            if given is None:
+                changes.append(soft_dice_loss(mapped, labels) - plain)
+            changes.append(soft_dice_loss(mapped, labels, in_view) - plain_in_view)
+        effects[op.name] = tuple(100 * float(c.mean()) for c in changes)
     return effects
 
 
@@ -206,12 +220,16 @@ def main(argv: list[str] | None = None) -> list[tuple]:
         by_pair = sorted(gains, key=lambda n: -gains[n][0])
         true_rank = {name: i + 1 for i, name in enumerate(by_pair)}
         print(f"\n{checkpoint}")
-        patch_head = f" {'patch loss':>10} {'in view':>8}" if on_patches else ""
+        patch_head = f" {'patch loss':>10} {'in view':>8} {'vol stats':>9}" if on_patches else ""
         print(f"  {'op':<28} {'pair':>7} {'alone':>7}{patch_head} {'learned rank':>13}")
 
         for name in by_pair[: args.top]:
             learned = f"{ranks[name][0]:>13}" if ranks else f"{'-':>13}"
-            patch = f" {on_patches[name][0]:>+10.2f} {on_patches[name][1]:>+8.2f}" if on_patches else ""
+            patch = (
+                f" {on_patches[name][0]:>+10.2f} {on_patches[name][1]:>+8.2f} {on_patches[name][2]:>+9.2f}"
+                if on_patches
+                else ""
+            )
             print(f"  {name:<28} {gains[name][0]:>+7.2f} {gains[name][1]:>+7.2f}{patch} {learned}")
         if ranks:
             names = list(gains)
@@ -219,15 +237,16 @@ def main(argv: list[str] | None = None) -> list[tuple]:
             print(f"  Spearman(learned probability, pair gain) over {len(names)} ops: {rho:+.2f}")
         if on_patches:  # how the updater's patch scores rank the ops, against their worth on whole volumes
             names = list(gains)
-            for i, voxels in enumerate(("every voxel", "the voxels in view")):
+            for i, scored in enumerate(PATCH_SCORES):
                 rho = spearmanr([-on_patches[n][i] for n in names], [gains[n][0] for n in names]).statistic
-                print(f"  Spearman(patch loss over {voxels}, falling; pair gain) over {len(names)} ops: {rho:+.2f}")
+                print(f"  Spearman(patch loss {scored}, falling; pair gain) over {len(names)} ops: {rho:+.2f}")
         for names in undoing:
             best = max(names, key=lambda n: gains[n][0])
             learned_rank = min(ranks[n][0] for n in names) if ranks else None
             patch = ""
             if on_patches:
-                patch = f", patch loss {on_patches[best][0]:+.2f} ({on_patches[best][1]:+.2f} in view)"
+                patch = (f", patch loss {on_patches[best][0]:+.2f} ({on_patches[best][1]:+.2f} in view, "
+                         f"{on_patches[best][2]:+.2f} with volume stats)")  # fmt: skip
             print(f"  shift-undoing {best}: pair {gains[best][0]:+.2f}, alone {gains[best][1]:+.2f}{patch}, rank by "
                   f"pair gain {true_rank[best]}, learned rank {learned_rank if ranks else '-'}")  # fmt: skip
             rows.append((run_dir, best, gains[best], true_rank[best], learned_rank))

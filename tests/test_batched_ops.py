@@ -393,9 +393,9 @@ def test_tea_inference_update_and_joint_validation_use_the_batched_ops(monkeypat
     calls = []
     real = tea.apply_tea_ops
 
-    def counting(ops, x, what="image"):
+    def counting(ops, x, what="image", stats=None):
         calls.append((len(ops), what))
-        return real(ops, x, what)
+        return real(ops, x, what, stats)
 
     for module in ("jcsaug.inference.tta", "jcsaug.engine.tea_updater", "jcsaug.engine.tra_updater", "jcsaug.ops.tea"):
         monkeypatch.setattr(f"{module}.apply_tea_ops", counting)

@@ -288,10 +288,12 @@ def test_every_bundle_runs_the_checks_and_guards(bundle, extra):
                               "tea_logit_budget", "val_batches", "val_average", "tea_patches", "tra_policy",
                               "tea_policy", "tra_lookahead", "tea_patch_size", "tea_poly_power", "augment_on",
                               "network_def#channels", "overwrite", "tra_direction", "tra_exploration",
-                              "tra_poly_power", "tra_start", "tra_val_tea", "tea_mask_out_of_view"]),
+                              "tra_poly_power", "tra_start", "tra_val_tea", "tea_mask_out_of_view",
+                              "tea_volume_stats"]),
         ("kits19_tumor", ["network", "network_kwargs", "tra_policy", "tea_policy", "augment_on", "test_split",
                           "cache_rate", "overwrite", "train_fraction", "tea_poly_power", "tra_direction",
-                          "tra_exploration", "tra_poly_power", "tra_start", "tra_val_tea", "tea_mask_out_of_view"]),
+                          "tra_exploration", "tra_poly_power", "tra_start", "tra_val_tea", "tea_mask_out_of_view",
+                          "tea_volume_stats"]),
     ],
 )  # fmt: skip
 def test_the_settings_of_issues_10_and_13_are_known_override_ids(bundle, ids):

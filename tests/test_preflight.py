@@ -108,6 +108,7 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tea_sliding_window", "sometimes", "must be true or false"),
         ("tra_val_tea", "maybe", "must be true or false"),
         ("tea_mask_out_of_view", "partly", "must be true or false"),
+        ("tea_volume_stats", "volume", "must be true or false"),
         ("tra_meta_mode", "training", "must be one of eval, train"),
         ("grad_clip_norm", 0, "must be a finite number > 0, or None"),
         ("roi_threshold", "body", "must be a finite number, or None"),

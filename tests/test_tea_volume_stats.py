@@ -1,17 +1,16 @@
-"""The TEA's intensity ops on a validation patch read its volume's statistics (``VolumeStatsd``, ``tea_volume_stats``)."""
+"""The TEA's intensity ops on a validation patch read its volume's statistics (``VolumeStatsd``,
+``tea_volume_stats``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from helpers import small_dataset
 from ignite.engine import Engine
 from monai.data import DataLoader, Dataset
 from monai.transforms import RandCropByPosNegLabeld
-from test_bundle_hardening import _workflow
-from test_task_bundles import _parser
 
+from helpers import small_dataset
 from jcsaug.data import VolumeStatsd, batch_volume_stats
 from jcsaug.engine import TEAPolicyUpdater
 from jcsaug.engine import tea_updater as tea_updater_module
@@ -19,6 +18,8 @@ from jcsaug.engine import tra_updater as tra_updater_module
 from jcsaug.ops import intensity
 from jcsaug.ops.tea import apply_tea_ops, get_tea_op
 from jcsaug.policy import CategoricalPolicy, make_tea_policy
+from test_bundle_hardening import _workflow
+from test_task_bundles import _parser
 
 RANGE_OPS = ["gamma_expand_0.5", "gamma_compress_0.5", "inverted_gamma_expand_0.3", "inverted_gamma_compress_0.5"]
 PATCH = (slice(None), slice(4, 14), slice(6, 16), slice(2, 12))  # a corner-ish [1, 10, 10, 10] patch of the volume
@@ -166,28 +167,37 @@ def _spy_apply(monkeypatch, module) -> list:
 @pytest.mark.parametrize("estimator", ["paired", "gumbel"])
 @pytest.mark.parametrize("score", ["alone", "ensemble"])
 def test_the_tea_updater_gives_each_patchs_copies_its_volume_stats(monkeypatch, estimator, score):
-    """The copies of a validation patch are transformed with its volume's statistics, one row per copy (both
+    """The copies of a validation patch are transformed with its own volume's statistics, one row per copy (both
     estimators, the ensemble score too); a loader without them gives none."""
-    volumes = [_volume(9) + 1.0, _volume(10) * 2]
+    volumes = [_volume(9), _volume(10) + 100.0]  # disjoint ranges: a patch lies in its own volume's range only
     net = torch.nn.Conv3d(1, 2, 1)
     for with_stats in (True, False):
-        calls = _spy_apply(monkeypatch, tea_updater_module)
+        calls, images = _spy_apply(monkeypatch, tea_updater_module), []
         loader = _stats_batches(volumes, with_stats)
-        updater = TEAPolicyUpdater(make_tea_policy("nnunet"), net, loader, lr=0.01, num_copies=3, patches=2,
+        updater = TEAPolicyUpdater(make_tea_policy("nnunet"), net, loader, lr=0.01, num_copies=3, patches=4,
                                    estimator=estimator, op_score=score, tta_z=2)  # fmt: skip
+        monkeypatch.setattr(updater, "_foreground_patches", _recording(updater._foreground_patches, images))
         engine = Engine(lambda e, b: None)
         updater.attach(engine)
         engine.run([0], max_epochs=1)
-        assert updater.updates == 1 and len(calls) == 2  # one batched call per patch
+        assert updater.updates == 1 and len(calls) == len(images) == 4  # one batched call per patch
         if not with_stats:
-            assert calls == [None, None]
+            assert calls == [None] * 4
             continue
-        batch_stats = batch_volume_stats(next(iter(loader)))
-        for call in calls:
+        for call, image in zip(calls, images):
             assert call is not None and {len(v) for v in call.values()} == {len(call["min"])} and len(call["min"]) >= 3
-            row = {k: v[0].item() for k, v in call.items()}
-            assert any(all(row[k] == pytest.approx(batch_stats[k][i].item()) for k in row) for i in range(4))
             assert all(bool((v == v[0]).all()) for v in call.values())  # every copy of a patch: its volume's
+            assert float(call["min"][0]) <= float(image.min()) and float(image.max()) <= float(call["max"][0])
+        assert {float(call["min"][0]) > 50 for call in calls} == {True, False}  # patches of both volumes
+
+
+def _recording(foreground_patches, images: list):
+    def record(count):
+        patches = foreground_patches(count)
+        images.extend(image for image, _, _ in patches)
+        return patches
+
+    return record
 
 
 def test_the_tra_updaters_tea_transformed_validation_batch_reads_the_volume_stats(monkeypatch):
@@ -201,6 +211,22 @@ def test_the_tra_updaters_tea_transformed_validation_batch_reads_the_volume_stat
                                                     batch_volume_stats(batch))  # fmt: skip
     assert sum(len(x) for x, _ in chunks) == 4
     assert calls[0] is not None and torch.equal(calls[0]["min"], batch_volume_stats(batch)["min"])
+
+
+def test_the_tra_updaters_validation_gradient_gives_the_tea_ops_the_batchs_volume_stats(monkeypatch):
+    """In joint mode the TRA update's validation batch goes through TEA ops with its volumes' statistics."""
+    from jcsaug.engine import TRAPolicyUpdater
+    from jcsaug.policy import make_tra_policy
+
+    calls = _spy_apply(monkeypatch, tra_updater_module)
+    loader = _stats_batches([_volume(13), _volume(14) * 2])
+    net = torch.nn.Conv3d(1, 2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    updater = TRAPolicyUpdater(make_tra_policy("nnunet", 2), net, loader, opt, tea_policy=make_tea_policy())
+    updater._validation_gradient()
+    expected = batch_volume_stats(next(iter(loader)))
+    assert len(calls) == 1 and calls[0] is not None
+    assert all(torch.equal(calls[0][k], expected[k]) for k in expected)
 
 
 @pytest.fixture(scope="module")
@@ -234,9 +260,8 @@ def test_the_dataset_bundles_give_the_tea_its_volumes_stats_by_default(prepared,
     assert on["tea_volume_stats"] is True
     names = [type(t).__name__ for t in on.get_parsed_content("val_transforms").transforms]
     assert names.index("VolumeStatsd") < names.index("BorderPadd")
-    stats = batch_volume_stats(next(iter(on.get_parsed_content("val_loader"))))
-    assert stats is not None and len(stats["min"]) == on.get_parsed_content("val_loader").batch_size * on.get_parsed_content(
-        "val_samples_per_case"
-    )
+    loader = on.get_parsed_content("val_loader")
+    stats = batch_volume_stats(next(iter(loader)))
+    assert stats is not None and len(stats["min"]) == loader.batch_size * on.get_parsed_content("val_samples_per_case")
     off = _parser("kits19_tumor", dataset_dir=data, output_dir=str(tmp_path / "b"), tea_volume_stats="false")
     assert batch_volume_stats(next(iter(off.get_parsed_content("val_loader")))) is None
