@@ -208,6 +208,8 @@ class AugmentationSetup:
             ``tta_identity_weight``).
         tea_mask_out_of_view: the TEA scores each copy on the voxels its op kept in view only, as the reference
             does (:class:`TEAPolicyUpdater`'s ``mask_out_of_view``); also for ``learned-posthoc``.
+        tea_background_patches: background-centred patches pooled with each foreground-centred one in the TEA's op
+            scores (:class:`TEAPolicyUpdater`'s ``background_patches``); also for ``learned-posthoc``.
     """
 
     def __init__(
@@ -227,6 +229,7 @@ class AugmentationSetup:
         tea_identity_weight: float | None = None,
         tra_catalogue: str = "spec",
         tea_mask_out_of_view: bool = False,
+        tea_background_patches: int = 0,
     ) -> None:
         self.tra, self.tea = get_tra_mode(tra_mode), get_tea_mode(tea_mode)
         self.tra_mode, self.tea_mode = self.tra.name, self.tea.name
@@ -235,6 +238,9 @@ class AugmentationSetup:
         self.tea_op_score = TEA_OP_SCORES.key(tea_op_score)
         self.tea_z, self.tea_identity_weight = int(tea_z), tea_identity_weight
         self.tea_mask_out_of_view = bool(tea_mask_out_of_view)
+        self.tea_background_patches = int(tea_background_patches)
+        if self.tea_background_patches < 0:
+            raise ValueError(f"tea_background_patches must be >= 0, got {tea_background_patches}")
         self.tra_counterfactuals = int(tra_counterfactuals)
         if self.tra_estimator == "paired" and self.tra.learned and self.tra_counterfactuals < 1:
             raise ValueError(f"tra_counterfactuals={tra_counterfactuals}: the paired TRA estimator needs at least 1")
@@ -348,6 +354,7 @@ class AugmentationSetup:
                 logit_budget=tea_logit_budget, patches=tea_patches, poly_power=tea_poly_power,
                 op_score=self.tea_op_score, tta_z=self.tea_z, tta_identity_weight=self.tea_identity_weight,
                 inferer=tea_inferer, mask_out_of_view=self.tea_mask_out_of_view,
+                background_patches=self.tea_background_patches,
             )  # fmt: skip
         return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea, tea_tested=self.tea.from_file)
 
@@ -373,7 +380,7 @@ class AugmentationSetup:
                 network, val_loader, posthoc_iterations, posthoc_lr, num_copies, policy=self.tea_policy,
                 seed=seed, estimator=self.tea_estimator, op_score=self.tea_op_score, tta_z=self.tea_z,
                 tta_identity_weight=self.tea_identity_weight, inferer=inferer,
-                mask_out_of_view=self.tea_mask_out_of_view,
+                mask_out_of_view=self.tea_mask_out_of_view, background_patches=self.tea_background_patches,
             )  # fmt: skip
             self._posthoc_learned = True
         return self.tea_policy if self.tests_learned_tea else None

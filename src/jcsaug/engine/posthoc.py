@@ -30,13 +30,14 @@ def learn_tea_posthoc(
     tta_identity_weight: float | None = None,
     inferer: Inferer | None = None,
     mask_out_of_view: bool = False,
+    background_patches: int = 0,
 ) -> CategoricalPolicy:
     """Learn the TEA policy from the validation set with the network frozen (no model update).
 
     Runs an Ignite engine whose only work is the :class:`TEAPolicyUpdater` (one update per iteration);
     the reference code's post-hoc run uses lr 5e-3 for 10 epochs. ``estimator``, ``op_score``, ``tta_z``,
-    ``tta_identity_weight``, ``inferer`` and ``mask_out_of_view`` are the :class:`TEAPolicyUpdater`'s. Returns the
-    learned policy.
+    ``tta_identity_weight``, ``inferer``, ``mask_out_of_view`` and ``background_patches`` are the
+    :class:`TEAPolicyUpdater`'s. Returns the learned policy.
     """
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
@@ -47,6 +48,7 @@ def learn_tea_posthoc(
     updater = TEAPolicyUpdater(
         policy, network, val_loader, lr=lr, num_copies=num_copies, seed=seed, estimator=estimator, op_score=op_score,
         tta_z=tta_z, tta_identity_weight=tta_identity_weight, inferer=inferer, mask_out_of_view=mask_out_of_view,
+        background_patches=background_patches,
     )  # fmt: skip
     updater.sync_ranks = False  # may run on one rank only (a rank-0 evaluation): no collective all-reduce
     updater.attach(engine)

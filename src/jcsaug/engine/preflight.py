@@ -345,7 +345,10 @@ def _validators() -> dict[str, Any]:
                 "num_classes", "val_batches", "tea_patches")  # fmt: skip
     return {
         **dict.fromkeys(positive, _positive_int),
-        **dict.fromkeys(("num_workers", "stop_after_epochs", "seed", "tra_counterfactuals"), _non_negative_int),
+        **dict.fromkeys(
+            ("num_workers", "stop_after_epochs", "seed", "tra_counterfactuals", "tea_background_patches"),
+            _non_negative_int,
+        ),
         "learning_rate": _positive_finite,  # the network's SGD: 0 would train nothing
         # 0 is what the updaters accept (a budget replaces it); 0 where it is used: _relation_problems
         **dict.fromkeys(("tra_lr", "tea_lr", "posthoc_lr"), _at_least(0)),
@@ -429,6 +432,7 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
       it (it steps on the op effects only that estimator measures);
     * the classes ``keep_largest_component`` names are foreground classes ``1..num_classes-1``;
     * a ``tea_identity_weight`` needs ``tea_z`` >= 2 (the identity and at least one op);
+    * ``tea_background_patches`` pool patches into one score per op, which ``tea_op_score: ensemble`` does not;
     * a ``tra_preset`` mapping gives each series it names the probabilities of the run's ``tra_catalogue``
       (``spec`` when not given; ``split-signs`` has more ops in a series with signed ones);
     * a ``fixed`` mode's (``from_file``) ``tra_policy`` / ``tea_policy`` must exist and hold its policy, as
@@ -463,6 +467,12 @@ def _relation_problems(settings: Mapping[str, Any], valid: Callable[[str], bool]
         problems.append(
             f"--num_tea_copies {z!r}: the paired TEA estimator (tea_estimator paired) scores each copy with another "
             f"non-identity op: at most {len(TEA_OPS) - 1}"
+        )
+    background = settings.get("tea_background_patches")
+    if tea_learned and valid("tea_background_patches") and background and settings.get("tea_op_score") == "ensemble":
+        problems.append(
+            f"--tea_background_patches {background!r}: tea_op_score 'ensemble' scores each op on one patch; give 0 "
+            "or another tea_op_score"
         )
     if tra and tra.learned and settings.get("tra_estimator") == "paired" and valid("tra_counterfactuals") and k == 0:
         problems.append(
