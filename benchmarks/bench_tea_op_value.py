@@ -13,8 +13,10 @@ probabilities and the pair gains over the catalogue. With ``--patch-size``, also
 patches of that size, as the TEA updater measures it (the soft Dice loss of the op's mapped-back prediction minus
 the plain one's, x 100: negative helps), over every voxel and over the voxels the op kept in view only (the TEA's
 ``mask_out_of_view``, the reference's), and in view with the intensity ops reading the patch's volume's range and
-mean instead of the patch's own (``tea_volume_stats``, as the ops act on the whole volume at test time), and how well
-each ranks the ops as their pair gains do (Spearman). A Markdown table of the shift-undoing ops goes to ``--out``.
+mean instead of the patch's own (``tea_volume_stats``, as the ops act on the whole volume at test time), and that
+score pooled with a background-centred patch of the same volume (one Dice over both: ``tea_background_patches`` 1),
+and how well each ranks the ops as their pair gains do (Spearman). A Markdown table of the shift-undoing ops goes to
+``--out``.
 
 With ``--selections``, also what the learned policy's *choice* is worth: the split's Dice of TTA with the identity and
 ``--tea-z`` - 1 more ops, equal weights, the ops chosen four ways: the learned policy's top ops; every op measured on
@@ -53,7 +55,7 @@ from jcsaug.inference import NoTTAInferer, TEAInferer
 from jcsaug.ops.tea import TEA_OPS, apply_tea_ops, get_tea_op, in_view_masks
 
 #: the three ways ``patch_effects`` scores an op on a patch (columns of the table, rows of the Spearman lines)
-PATCH_SCORES = ("every voxel", "in view", "in view, volume stats")
+PATCH_SCORES = ("every voxel", "in view", "in view, volume stats", "pooled with a background patch")
 
 
 def op_gains(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.Tensor]], sw, num_classes: int,
@@ -74,11 +76,14 @@ def op_gains(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.T
     return gains
 
 
-def lesion_patches(volumes: list[tuple[torch.Tensor, torch.Tensor]], size: list[int], count: int,
-                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:  # fmt: skip
-    """``count`` lesion-centred patches of ``size`` (MONAI's ``RandCropByPosNegLabeld``, seeded), in turn from each
-    volume, ``[1, 1, ...]`` each, with their volume's intensity statistics (``VolumeStatsd``, ``[1]`` each)."""
-    crop = RandCropByPosNegLabeld(["image", "label"], "label", size, pos=1, neg=0, num_samples=1, allow_smaller=True)
+def lesion_patches(volumes: list[tuple[torch.Tensor, torch.Tensor]], size: list[int], count: int, seed: int = 0,
+                   background: bool = False) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:  # fmt: skip
+    """``count`` lesion-centred (``background``: background-centred) patches of ``size`` (MONAI's
+    ``RandCropByPosNegLabeld``, seeded), in turn from each volume, ``[1, 1, ...]`` each, with their volume's
+    intensity statistics (``VolumeStatsd``, ``[1]`` each)."""
+    pos, neg = (0, 1) if background else (1, 0)
+    crop = RandCropByPosNegLabeld(["image", "label"], "label", size, pos=pos, neg=neg, num_samples=1,
+                                  allow_smaller=True)  # fmt: skip
     crop.set_random_state(seed)
     record = VolumeStatsd("image")
     patches = []
@@ -90,29 +95,44 @@ def lesion_patches(volumes: list[tuple[torch.Tensor, torch.Tensor]], size: list[
     return patches
 
 
-def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, torch.Tensor, dict]],
-                  device: torch.device) -> dict[str, tuple[float, float, float]]:  # fmt: skip
-    """``{op name: one effect per PATCH_SCORES}``, each the mean change of the soft Dice loss (x 100; < 0: the op
-    helps) of the op's mapped-back prediction against the plain one on the same patch: what the TEA updater measures
-    (``paired``), without and with its ``mask_out_of_view``, and with it and the patches' volume statistics."""
+def _joined(patches: list[tuple[torch.Tensor, torch.Tensor, dict]], device: torch.device) -> tuple:
+    """The patches as one batch: images, labels and volume statistics."""
     images = torch.cat([x for x, _, _ in patches]).to(device)
     labels = torch.cat([y for _, y, _ in patches]).to(device)
-    stats = {k: torch.cat([s[k] for _, _, s in patches]) for k in patches[0][2]}
-    probs = torch.softmax(network(images).float(), 1)
-    plain = soft_dice_loss(probs, labels)
+    return images, labels, {k: torch.cat([s[k] for _, _, s in patches]) for k in patches[0][2]}
+
+
+def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, torch.Tensor, dict]],
+                  device: torch.device, background: list | None = None) -> dict[str, tuple[float, ...]]:  # fmt: skip
+    """``{op name: one effect per PATCH_SCORES}``, each the mean change of the soft Dice loss (x 100; < 0: the op
+    helps) of the op's mapped-back prediction against the plain one on the same patch: what the TEA updater measures
+    (``paired``), without and with its ``mask_out_of_view``, with it and the patches' volume statistics, and (given
+    ``background``, one background-centred patch per patch) that score pooled over each patch and its background
+    patch (one Dice over both, side by side, as the updater's ``background_patches`` pools them)."""
+    images, labels, stats = _joined(patches, device)
+    groups = [(images, labels, stats)] + ([_joined(background, device)] if background else [])
+    plain = [torch.softmax(network(x).float(), 1) for x, _, _ in groups]
+
+    def scores(lesion_own, lesion, other, in_view):  # noqa: ANN001, ANN202 (the PATCH_SCORES losses of predictions)
+        out = [soft_dice_loss(lesion_own, labels), soft_dice_loss(lesion_own, labels, in_view),
+               soft_dice_loss(lesion, labels, in_view)]  # fmt: skip
+        if other is not None:  # side by side: the voxel sums of one Dice run over the patch and its background patch
+            both, both_labels = torch.cat([lesion, other], -1), torch.cat([labels, groups[1][1]], -1)
+            out.append(soft_dice_loss(both, both_labels, torch.cat([in_view] * 2, -1)))
+        return out
+
     effects = {}
     for op in TEA_OPS[1:]:
         ops = [op] * len(images)
         in_view = in_view_masks([op], images.shape[2:], device)[0].expand(len(images), -1, -1, -1, -1)
-        plain_in_view = soft_dice_loss(probs, labels, in_view)
-        changes = []
-        for given in (None, stats):  # the patch's own statistics, then its volume's
-            copies = torch.stack(apply_tea_ops(ops, images, "image", given))
-            mapped = torch.softmax(torch.stack(apply_tea_ops(ops, network(copies).float(), "invert")), 1)
-            if given is None:
-                changes.append(soft_dice_loss(mapped, labels) - plain)
-            changes.append(soft_dice_loss(mapped, labels, in_view) - plain_in_view)
-        effects[op.name] = tuple(100 * float(c.mean()) for c in changes)
+        mapped = []
+        for k, (x, _, group_stats) in enumerate(groups):
+            for given in (None, group_stats) if k == 0 else (group_stats,):  # own statistics, then the volume's
+                copies = torch.stack(apply_tea_ops(ops, x, "image", given))
+                mapped.append(torch.softmax(torch.stack(apply_tea_ops(ops, network(copies).float(), "invert")), 1))
+        with_op = scores(mapped[0], mapped[1], mapped[2] if background else None, in_view)
+        without = scores(plain[0], plain[0], plain[1] if background else None, in_view)
+        effects[op.name] = tuple(100 * float((a - b).mean()) for a, b in zip(with_op, without))
     return effects
 
 
@@ -207,6 +227,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     print(f"{len(volumes)} {args.split} volumes of {tuple(volumes[0][0].shape[2:])}; shift undone by TEA {undoing}")
 
     patches = lesion_patches(volumes, args.patch_size, args.patches) if args.patch_size else None
+    background = lesion_patches(volumes, args.patch_size, args.patches, background=True) if patches else None
     rows, selections = [], []
     for run_dir in args.run_dir:
         network = config.get_parsed_content("network_def", instantiate=True, lazy=False).to(device)
@@ -215,18 +236,19 @@ def main(argv: list[str] | None = None) -> list[tuple]:
         network.eval()
         with torch.no_grad():
             gains = op_gains(network, volumes, sw, num_classes, device)
-            on_patches = patch_effects(network, patches, device) if patches else {}
+            on_patches = patch_effects(network, patches, device, background) if patches else {}
         ranks = learned_ranks(run_dir)
         by_pair = sorted(gains, key=lambda n: -gains[n][0])
         true_rank = {name: i + 1 for i, name in enumerate(by_pair)}
         print(f"\n{checkpoint}")
-        patch_head = f" {'patch loss':>10} {'in view':>8} {'vol stats':>9}" if on_patches else ""
+        patch_head = f" {'patch loss':>10} {'in view':>8} {'vol stats':>9} {'pooled':>9}" if on_patches else ""
         print(f"  {'op':<28} {'pair':>7} {'alone':>7}{patch_head} {'learned rank':>13}")
 
         for name in by_pair[: args.top]:
             learned = f"{ranks[name][0]:>13}" if ranks else f"{'-':>13}"
             patch = (
                 f" {on_patches[name][0]:>+10.2f} {on_patches[name][1]:>+8.2f} {on_patches[name][2]:>+9.2f}"
+                f" {on_patches[name][3]:>+9.2f}"
                 if on_patches
                 else ""
             )
@@ -246,7 +268,8 @@ def main(argv: list[str] | None = None) -> list[tuple]:
             patch = ""
             if on_patches:
                 patch = (f", patch loss {on_patches[best][0]:+.2f} ({on_patches[best][1]:+.2f} in view, "
-                         f"{on_patches[best][2]:+.2f} with volume stats)")  # fmt: skip
+                         f"{on_patches[best][2]:+.2f} with volume stats, {on_patches[best][3]:+.2f} pooled with a "
+                         "background patch)")  # fmt: skip
             print(f"  shift-undoing {best}: pair {gains[best][0]:+.2f}, alone {gains[best][1]:+.2f}{patch}, rank by "
                   f"pair gain {true_rank[best]}, learned rank {learned_rank if ranks else '-'}")  # fmt: skip
             rows.append((run_dir, best, gains[best], true_rank[best], learned_rank))

@@ -53,11 +53,12 @@ def test_ops_the_network_commutes_with_gain_nothing_on_volumes_and_patches(bench
     with torch.no_grad():
         gains = bench.op_gains(net, volumes, SimpleInferer(), 2, torch.device("cpu"), progress=False)
         patches = bench.lesion_patches(volumes, [8, 8, 8], 5)
-        effects = bench.patch_effects(net, patches, torch.device("cpu"))
+        background = bench.lesion_patches(volumes, [8, 8, 8], 5, background=True)
+        effects = bench.patch_effects(net, patches, torch.device("cpu"), background)
     assert set(gains) == set(effects) == {op.name for op in TEA_OPS[1:]}
     for name in EXACT:  # mapped back exactly: a missing or wrong inverse breaks this
         assert gains[name] == pytest.approx((0.0, 0.0), abs=1e-9), name
-        assert effects[name] == pytest.approx((0.0, 0.0, 0.0), abs=1e-5), name
+        assert effects[name] == pytest.approx((0.0, 0.0, 0.0, 0.0), abs=1e-5), name
     assert gains["noise_0.125"] != (0.0, 0.0) and effects["gamma_expand_0.5"][0] != 0.0  # the others do change it
     # an intensity op keeps every voxel in view: both columns agree; a zoom in is scored on its centre in the second
     assert effects["gamma_expand_0.5"][0] == pytest.approx(effects["gamma_expand_0.5"][1], abs=1e-6)
@@ -65,6 +66,9 @@ def test_ops_the_network_commutes_with_gain_nothing_on_volumes_and_patches(bench
     # the third column reads the volume's range: a gamma bends the patch otherwise, a spatial op is unchanged
     assert abs(effects["gamma_expand_0.5"][2] - effects["gamma_expand_0.5"][1]) > 1e-3
     assert effects["scale_up_0.45"][2] == pytest.approx(effects["scale_up_0.45"][1], abs=1e-6)
+    # pooled with a background patch: another score (the background's false positives count), spatial ops too
+    assert abs(effects["gamma_expand_0.5"][3] - effects["gamma_expand_0.5"][2]) > 1e-3
+    assert sum(float(y.sum()) for _, y, _ in background) < sum(float(y.sum()) for _, y, _ in patches)
     assert len(patches) == 5 and all(x.shape == y.shape == (1, 1, 8, 8, 8) for x, y, _ in patches)
     assert all(y[0, 0, 4, 4, 4] == 1 for _, y, _ in patches)  # lesion-centred
     for (_, _, stats), k in zip(patches, range(5)):  # each patch carries its volume's statistics
@@ -111,6 +115,7 @@ def test_main_ranks_ops_and_reads_the_learned_ranks(bench, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "Spearman(learned probability, pair gain)" in printed and "patch loss" in printed
     assert "Spearman(patch loss in view, volume stats, falling; pair gain)" in printed
+    assert "Spearman(patch loss pooled with a background patch, falling; pair gain)" in printed
     assert out.read_text().count("\n") == 2 + len(rows)
 
 
