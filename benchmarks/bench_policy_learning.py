@@ -437,6 +437,7 @@ OPTIONS: dict[str, tuple[type, dict, int]] = {
     "TEA paired, 4 patches": (TEAPolicyUpdater, {"estimator": "paired", "patches": 4}, 0),
     "TEA paired, ensemble score (z = 8)": (TEAPolicyUpdater, {"estimator": "paired", "op_score": "ensemble"}, 0),
     "TEA paired, scored in view": (TEAPolicyUpdater, {"estimator": "paired", "mask_out_of_view": True}, 0),
+    "TEA paired, 1 background patch pooled in": (TEAPolicyUpdater, {"estimator": "paired", "background_patches": 1}, 0),
     "TEA paired, copies by a sliding window of 24³": (
         TEAPolicyUpdater,
         {"estimator": "paired", "inferer": TEA_WINDOW},

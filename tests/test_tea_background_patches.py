@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import small_dataset, spy_posthoc_tea_updater
 from ignite.engine import Engine
 from torch import nn
 
+from helpers import small_dataset, spy_posthoc_tea_updater
 from jcsaug.engine import AugmentationSetup, TEAPolicyUpdater
 from jcsaug.engine.preflight import PreflightError, check_settings
 from jcsaug.engine.tea_updater import soft_dice_loss
 from jcsaug.ops.tea import TEA_OPS, get_tea_op
-from jcsaug.policy import CategoricalPolicy, make_tea_policy
+from jcsaug.policy import CategoricalPolicy
 from jcsaug.policy.transforms import centre_class
 from test_bundle_hardening import _workflow
 
