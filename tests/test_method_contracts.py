@@ -170,7 +170,7 @@ def test_tea_patches_prefer_foreground_centred_ones_then_any_with_foreground():
     updater = TEAPolicyUpdater(CategoricalPolicy([2]), _Threshold(), [{"image": image, "label": label}],
                                ops=TEA_OPS[:2], patches=2, max_batches=1)  # fmt: skip
     patches = updater._foreground_patches(2)
-    assert [int(x[0, 0, 0, 0]) for x, _, _ in patches] == [1, 2]
+    assert [int(p[0][0, 0, 0, 0]) for p in patches] == [1, 2] and all(p[3] == [] for p in patches)
     empty = TEAPolicyUpdater(CategoricalPolicy([2]), _Threshold(), [{"image": image[:1], "label": label[:1]}],
                              ops=TEA_OPS[:2], max_batches=2)  # fmt: skip
     with pytest.raises(SkipUpdate, match="no validation patch with foreground"):
@@ -188,8 +188,8 @@ def _measured_tea_ops(seed: int, global_seed: int, updates: int = 3) -> list[lis
     )  # fmt: skip
     measured = []
     dice = updater._mapped_back_dice
-    updater._mapped_back_dice = lambda im, lab, drawn, stats: (
-        measured.append([ops.index(o) for o in drawn]) or dice(im, lab, drawn, stats)
+    updater._mapped_back_dice = lambda im, lab, drawn, *rest: (
+        measured.append([ops.index(o) for o in drawn]) or dice(im, lab, drawn, *rest)
     )
     engine = Engine(lambda e, b: None)
     updater.attach(engine)

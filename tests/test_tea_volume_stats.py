@@ -194,7 +194,7 @@ def test_the_tea_updater_gives_each_patchs_copies_its_volume_stats(monkeypatch, 
 def _recording(foreground_patches, images: list):
     def record(count):
         patches = foreground_patches(count)
-        images.extend(image for image, _, _ in patches)
+        images.extend(patch[0] for patch in patches)
         return patches
 
     return record
