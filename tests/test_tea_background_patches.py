@@ -16,13 +16,7 @@ from jcsaug.ops.tea import TEA_OPS, get_tea_op
 from jcsaug.policy import CategoricalPolicy
 from jcsaug.policy.transforms import centre_class
 from test_bundle_hardening import _workflow
-
-
-class _Threshold(nn.Module):
-    """A fixed per-voxel 'network': logits of the foreground +-6 (x - 1/2)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([-6 * (x - 0.5), 6 * (x - 0.5)], dim=1)
+from test_tea_in_view import _Threshold  # the same fixed per-voxel 'network'
 
 
 def _lesion_patch() -> tuple[torch.Tensor, torch.Tensor]:
