@@ -228,3 +228,14 @@ def test_a_resume_pt_from_before_the_roi_drew_centres_from_the_whole_volume(tmp_
         check_resume_matches(old, tmp_path / "resume.pt", None, None, settings={"seed": 0, "roi_threshold": -200.0})
     new = {"run_settings": {"seed": 0, "roi_threshold": -200.0}}
     check_resume_matches(new, tmp_path / "resume.pt", None, None, settings={"seed": 0, "roi_threshold": -200.0})
+
+
+def test_a_resume_pt_from_before_tea_volume_stats_read_each_patchs_own(tmp_path):
+    """Run settings saved without ``tea_volume_stats`` were a run whose TEA read each patch's own statistics: resuming
+    it with the dataset bundles' new default is refused, naming the setting; ``false`` resumes it."""
+    from jcsaug.engine.resume import check_resume_matches
+
+    old = {"run_settings": {"seed": 0}}
+    check_resume_matches(old, tmp_path / "resume.pt", None, None, settings={"seed": 0, "tea_volume_stats": False})
+    with pytest.raises(ValueError, match=r"--tea_volume_stats True: that run was saved with tea_volume_stats False"):
+        check_resume_matches(old, tmp_path / "resume.pt", None, None, settings={"seed": 0, "tea_volume_stats": True})

@@ -225,8 +225,9 @@ def _differences(
 UPDATER_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"direction": "validation"}
 
 #: the same for a run's settings (``ResumeCheckpoint(settings=)``): runs before the TRA context cropped no context,
-#: runs before the task's ROI drew patch centres from the whole volume
-RUN_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"tra_context": [0, 0, 0], "roi_threshold": None}
+#: runs before the task's ROI drew patch centres from the whole volume, runs before the TEA read its volumes'
+#: statistics used each patch's own
+RUN_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"tra_context": [0, 0, 0], "roi_threshold": None, "tea_volume_stats": False}
 
 
 def _setting_differences(
