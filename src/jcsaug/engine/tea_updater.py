@@ -342,15 +342,13 @@ class TEAPolicyUpdater(PolicyUpdater):
         if self.op_score == "ensemble":
             return self._ensemble_scores(image, label, ops, stats)
         logits = self.op_score != "alone"
-        mapped, masks, labels = [], [], []
         background = [patch for patch in background if patch[0].shape == image.shape]  # (volumes smaller than a patch)
-        for patch_image, patch_label, patch_stats in [(image, label, stats), *background]:
-            mapped.append(torch.stack(self._mapped_back_predictions(patch_image, ops, logits, patch_stats)))
-            masks.append(self._in_view(mapped[-1], ops))
-            labels.append(patch_label)
+        patches = [(image, label, stats), *background]
+        mapped = [torch.stack(self._mapped_back_predictions(x, ops, logits, s)) for x, _, s in patches]
+        masks = self._in_view(mapped[0], ops)  # the same ops on patches of one shape: the same masks for each
         # one Dice pooled over the patches: side by side along the last axis, the voxel sums of a Dice run over all
-        mapped, label = torch.cat(mapped, dim=-1), torch.cat(labels, dim=-1)
-        masks = None if masks[0] is None else torch.cat(masks, dim=-1)
+        mapped, label = torch.cat(mapped, dim=-1), torch.cat([y for _, y, _ in patches], dim=-1)
+        masks = None if masks is None else torch.cat([masks] * len(patches), dim=-1)
         if self.op_score.startswith("with-identity"):  # the TTA's ensemble of the identity and the op: logits averaged
             mapped = torch.cat([mapped[:1], (mapped[:1] + mapped[1:]) / 2])
         labels = label.unsqueeze(0).expand(len(mapped), *label.shape)

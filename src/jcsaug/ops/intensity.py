@@ -66,11 +66,12 @@ def gamma(
     (``AdjustContrast(invert_image=True)``). ``low`` / ``high`` ``[B]``: the range to bend over (a patch's
     volume's, :data:`VolumeStats`) instead of each sample's own min and max; values below ``low`` are held at it
     (a negative base has no real power)."""
+    given = low is not None and high is not None
     if invert:
         x = -x
-        low, high = (None, None) if low is None or high is None else (-high, -low)
+        if given:  # the range of -x
+            low, high = -high, -low
     flat = x.reshape(x.shape[0], -1)
-    given = low is not None and high is not None
     low, high = (low.to(flat), high.to(flat)) if given else torch.aminmax(flat, dim=1)
     shape = (-1, *([1] * (x.ndim - 1)))
     low, span = low.view(shape), (high - low).view(shape)
