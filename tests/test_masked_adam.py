@@ -331,7 +331,7 @@ def test_start_holds_the_policy_until_its_share_of_the_run_and_spreads_the_budge
     decay = [(1 - (t - 1) / 20) ** 0.9 for t in (12, 14, 16, 18, 20)]
     assert updater.base_lr == pytest.approx(2.0 / sum(decay))
     assert updater.resume_settings()["start"] == 0.5
-    assert "start" not in TRAPolicyUpdater(policy, net, [], opt).resume_settings()  # older checkpoints match
+    assert TRAPolicyUpdater(policy, net, [], opt).resume_settings()["start"] == 0.0
     for bad in (-0.1, 1.0, float("nan")):
         with pytest.raises(ValueError, match="start must be a share of the run"):
             TRAPolicyUpdater(policy, net, [], opt, start=bad)

@@ -495,7 +495,7 @@ def test_tea_op_score_with_identity_scores_each_op_in_the_ttas_pair(estimator):
     updater.attach(engine)
     engine.run([0], max_epochs=1)
     assert updater.updates == 1
-    assert "op_score" not in TEAPolicyUpdater(policy, _Threshold(), val, ops=ops).resume_settings()  # old runs
+    assert TEAPolicyUpdater(policy, _Threshold(), val, ops=ops).resume_settings()["op_score"] == "alone"
     with pytest.raises(KeyError, match="with-identity"):
         TEAPolicyUpdater(policy, _Threshold(), val, ops=ops, op_score="pair")
 
@@ -820,4 +820,4 @@ def test_tea_op_score_reaches_the_post_hoc_learning(monkeypatch):
                          tea_inferer=window).tea  # fmt: skip
     assert tea.inferer is window and tea.resume_settings()["inferer"] == "SimpleInferer"
     plain = joint.updaters(_Threshold(), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), []).tea
-    assert plain.inferer is None and "inferer" not in plain.resume_settings()  # runs before the setting: the same
+    assert plain.inferer is None and plain.resume_settings()["inferer"] is None  # one pass, as runs before it

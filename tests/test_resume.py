@@ -7,6 +7,7 @@ import pytest
 import torch
 from ignite.engine import Engine
 from monai.data import Dataset
+from monai.inferers import SimpleInferer
 from monai.transforms import Randomizable
 from torch.utils.data import DataLoader
 
@@ -108,9 +109,9 @@ def test_epoch_reseeder_reseeds_the_datasets_of_the_updaters_own_loaders():
 
 
 # ----------------------------------------------------------------------------------------------- settings
-def _tea(seed: int = 0, update_every: int = 1) -> TEAPolicyUpdater:
+def _tea(seed: int = 0, update_every: int = 1, **settings) -> TEAPolicyUpdater:
     return TEAPolicyUpdater(make_tea_policy("nnunet"), torch.nn.Conv3d(1, 2, 1), None, lr=0.01, seed=seed,
-                            update_every=update_every)  # fmt: skip
+                            update_every=update_every, **settings)  # fmt: skip
 
 
 def _resume(tmp_path, updater: TEAPolicyUpdater, settings: dict | None = None) -> None:
@@ -239,3 +240,54 @@ def test_a_resume_pt_from_before_tea_volume_stats_read_each_patchs_own(tmp_path)
     check_resume_matches(old, tmp_path / "resume.pt", None, None, settings={"seed": 0, "tea_volume_stats": False})
     with pytest.raises(ValueError, match=r"--tea_volume_stats True: that run was saved with tea_volume_stats False"):
         check_resume_matches(old, tmp_path / "resume.pt", None, None, settings={"seed": 0, "tea_volume_stats": True})
+
+
+@pytest.mark.filterwarnings("ignore:TEA update skipped")  # no validation data: every update skips
+@pytest.mark.parametrize(
+    ("saved", "asked", "named"),
+    [
+        ({}, {"mask_out_of_view": True}, r"tea_updater\.mask_out_of_view True: that run was saved with "
+                                         r"tea_updater\.mask_out_of_view False"),
+        ({"mask_out_of_view": True}, {}, r"tea_updater\.mask_out_of_view False: that run was saved with "
+                                         r"tea_updater\.mask_out_of_view True"),
+        ({}, {"background_patches": 1}, r"tea_updater\.background_patches 1: .* tea_updater\.background_patches 0"),
+        ({"background_patches": 2}, {}, r"tea_updater\.background_patches 0: .* tea_updater\.background_patches 2"),
+        ({}, {"op_score": "alone-hard"}, r"tea_updater\.op_score alone-hard: .* tea_updater\.op_score alone"),
+        ({"estimator": "paired"}, {"estimator": "paired", "step_rule": "natural"},
+         r"tea_updater\.step_rule natural: .* tea_updater\.step_rule adam"),
+        ({"op_score": "alone-hard"}, {}, r"tea_updater\.op_score alone: .* tea_updater\.op_score alone-hard"),
+        ({"inferer": SimpleInferer()}, {}, r"tea_updater\.inferer None: .* tea_updater\.inferer SimpleInferer"),
+    ],
+)  # fmt: skip
+def test_a_tea_setting_switched_on_or_off_at_resume_is_refused(tmp_path, saved, asked, named):
+    """The step rule and the TEA's scoring settings are saved whatever their value, so turning one on or off when
+    resuming is refused, naming it (they were once saved only when not the default: the other direction
+    went unchecked)."""
+
+    engine = Engine(lambda e, b: None)
+    ResumeCheckpoint(tmp_path, {"tea_updater": _tea(**saved)}).attach(engine)
+    engine.run(range(2), max_epochs=1)
+    _resume(tmp_path, _tea(**saved))  # the same settings: accepted
+    with pytest.raises(ValueError, match=named):
+        _resume(tmp_path, _tea(**asked))
+
+
+@pytest.mark.filterwarnings("ignore:TEA update skipped")
+def test_a_resume_pt_from_before_the_defaults_were_saved_ran_with_them(tmp_path):
+    """A ``resume.pt`` whose TEA updater recorded its start, step rule and scoring settings only when not the default
+    (until 2026-12-01) ran with the defaults where it holds none: those resume, any other value is refused."""
+    from jcsaug.engine.resume import UPDATER_SETTINGS_BEFORE_SAVED
+
+    engine = Engine(lambda e, b: None)
+    ResumeCheckpoint(tmp_path, {"tea_updater": _tea()}).attach(engine)
+    engine.run(range(2), max_epochs=1)
+    state = read_checkpoint(tmp_path / "resume.pt")
+    for key in ("start", "step_rule", "background_patches", "op_score", "mask_out_of_view", "inferer"):
+        assert state["tea_updater"]["settings"][key] == UPDATER_SETTINGS_BEFORE_SAVED[key]  # the defaults, saved
+        del state["tea_updater"]["settings"][key]
+    save_state_atomic(tmp_path / "resume.pt", state)
+    _resume(tmp_path, _tea())
+    with pytest.raises(ValueError, match=r"tea_updater\.background_patches 1: .* tea_updater\.background_patches 0"):
+        _resume(tmp_path, _tea(background_patches=1))
+    with pytest.raises(ValueError, match=r"tea_updater\.inferer SimpleInferer: .* tea_updater\.inferer None"):
+        _resume(tmp_path, _tea(inferer=SimpleInferer()))

@@ -283,10 +283,8 @@ class PolicyUpdater(ABC):
             **({"lr": self.base_lr} if self.logit_budget is None else {"logit_budget": self.logit_budget}),
         }  # fmt: skip
         self.start = float(start)
-        if self.start:
-            self._settings["start"] = self.start
-        if self.step_rule != "adam":  # (checkpoints of runs before the setting record none: Adam)
-            self._settings["step_rule"] = self.step_rule
+        # (checkpoints saved before these were recorded ran with 0 and Adam: resume.UPDATER_SETTINGS_BEFORE_SAVED)
+        self._settings.update(start=self.start, step_rule=self.step_rule)
         self.updates = 0
         self.skipped = 0
         self.skip_reasons: Counter[str] = Counter()  # reason -> how many updates it skipped

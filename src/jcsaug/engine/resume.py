@@ -221,8 +221,12 @@ def _differences(
 
 
 #: a policy updater's setting -> the value every run had before the setting was saved in ``resume.pt`` (a file
-#: without it ran with that value, so a resume asking another is refused rather than silently changing the run)
-UPDATER_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"direction": "validation"}
+#: without it ran with that value, so a resume asking another is refused rather than silently changing the run).
+#: Until 2026-12-01 the start, step rule and the TEA's scoring settings were saved only when not the default.
+UPDATER_SETTINGS_BEFORE_SAVED: dict[str, Any] = {
+    "direction": "validation", "start": 0.0, "step_rule": "adam",
+    "background_patches": 0, "op_score": "alone", "mask_out_of_view": False, "inferer": None,
+}  # fmt: skip
 
 #: the same for a run's settings (``ResumeCheckpoint(settings=)``): runs before the TRA context cropped no context,
 #: runs before the task's ROI drew patch centres from the whole volume, runs before the TEA read its volumes'

@@ -253,21 +253,19 @@ class TEAPolicyUpdater(PolicyUpdater):
             raise ValueError(f"background_patches must be >= 0, got {background_patches}")
         if self.background_patches and self.op_score == "ensemble":
             raise ValueError("background_patches needs an op_score other than 'ensemble' (it scores one patch)")
-        if self.background_patches:  # (checkpoints of runs before the setting record none: 0)
-            self._settings.update(background_patches=self.background_patches)
         self._settings.update(estimator=estimator, num_copies=int(num_copies), patches=self.patches)
-        if self.op_score != "alone":  # (checkpoints of runs before the setting record none: the default)
-            self._settings.update(op_score=self.op_score)
+        # (checkpoints saved before these four were recorded ran with the defaults, which a resume check assumes
+        # for them: resume.UPDATER_SETTINGS_BEFORE_SAVED)
+        self._settings.update(background_patches=self.background_patches, op_score=self.op_score)
         self.tta_z = int(tta_z)
         self.tta_identity_weight = None if tta_identity_weight is None else float(tta_identity_weight)
         if self.op_score == "ensemble":
             self._settings.update(tta_z=self.tta_z, tta_identity_weight=self.tta_identity_weight)
         self.mask_out_of_view = bool(mask_out_of_view)
-        if self.mask_out_of_view:  # (checkpoints of runs before the setting record none: every voxel)
-            self._settings.update(mask_out_of_view=True)
         self.inferer = inferer
-        if inferer is not None:  # (checkpoints of runs before the setting record none: one pass)
-            self._settings.update(inferer=type(inferer).__name__)
+        self._settings.update(
+            mask_out_of_view=self.mask_out_of_view, inferer=None if inferer is None else type(inferer).__name__
+        )
         self.effects = self._paired_effects(estimator, effect_smoothing)
         if ops is None:
             from jcsaug.ops.tea import TEA_OPS
