@@ -49,13 +49,14 @@ from tqdm.auto import tqdm
 
 from jcsaug.data import VolumeStatsd, batch_volume_stats
 from jcsaug.engine import latest_checkpoint, load_checkpoint
-from jcsaug.engine.tea_updater import soft_dice_loss
+from jcsaug.engine.tea_updater import hard_dice_loss, soft_dice_loss
 from jcsaug.evaluation.segmentation import case_dice
 from jcsaug.inference import NoTTAInferer, TEAInferer
 from jcsaug.ops.tea import TEA_OPS, apply_tea_ops, get_tea_op, in_view_masks
 
-#: the three ways ``patch_effects`` scores an op on a patch (columns of the table, rows of the Spearman lines)
-PATCH_SCORES = ("every voxel", "in view", "in view, volume stats", "pooled with a background patch")
+#: the ways ``patch_effects`` scores an op on a patch (columns of the table, rows of the Spearman lines)
+PATCH_SCORES = ("every voxel", "in view", "in view, volume stats", "pooled with a background patch",
+                "with identity, hard")  # fmt: skip
 
 
 def op_gains(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.Tensor]], sw, num_classes: int,
@@ -108,10 +109,15 @@ def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, to
     helps) of the op's mapped-back prediction against the plain one on the same patch: what the TEA updater measures
     (``paired``), without and with its ``mask_out_of_view``, with it and the patches' volume statistics, and (given
     ``background``, one background-centred patch per patch) that score pooled over each patch and its background
-    patch (one Dice over both, side by side, as the updater's ``background_patches`` pools them)."""
+    patch (one Dice over both, side by side, as the updater's ``background_patches`` pools them); the last, the
+    change of the *hard* Dice loss of the TTA's pair (the op's mapped-back logits averaged with the plain ones) in
+    view with the volume statistics against the plain prediction's on every voxel, as the updater with
+    ``op_score="with-identity-hard"`` and ``mask_out_of_view`` scores them. Without ``background`` the fourth column
+    is NaN."""
     images, labels, stats = _joined(patches, device)
     groups = [(images, labels, stats)] + ([_joined(background, device)] if background else [])
-    plain = [torch.softmax(network(x).float(), 1) for x, _, _ in groups]
+    plain_logits = network(images).float()
+    plain = [torch.softmax(plain_logits, 1)] + [torch.softmax(network(x).float(), 1) for x, _, _ in groups[1:]]
 
     def scores(lesion_own, lesion, other, in_view):  # noqa: ANN001, ANN202 (the PATCH_SCORES losses of predictions)
         out = [soft_dice_loss(lesion_own, labels), soft_dice_loss(lesion_own, labels, in_view),
@@ -119,6 +125,8 @@ def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, to
         if other is not None:  # side by side: the voxel sums of one Dice run over the patch and its background patch
             both, both_labels = torch.cat([lesion, other], -1), torch.cat([labels, groups[1][1]], -1)
             out.append(soft_dice_loss(both, both_labels, torch.cat([in_view] * 2, -1)))
+        else:
+            out.append(torch.full_like(out[0], float("nan")))
         return out
 
     effects = {}
@@ -129,9 +137,13 @@ def patch_effects(network: torch.nn.Module, patches: list[tuple[torch.Tensor, to
         for k, (x, _, group_stats) in enumerate(groups):
             for given in (None, group_stats) if k == 0 else (group_stats,):  # own statistics, then the volume's
                 copies = torch.stack(apply_tea_ops(ops, x, "image", given))
-                mapped.append(torch.softmax(torch.stack(apply_tea_ops(ops, network(copies).float(), "invert")), 1))
+                mapped.append(torch.stack(apply_tea_ops(ops, network(copies).float(), "invert")))  # logits
+        pair = (plain_logits + mapped[1]) / 2  # the TTA's identity and op, logits averaged (volume statistics)
+        mapped = [torch.softmax(m, 1) for m in mapped]
         with_op = scores(mapped[0], mapped[1], mapped[2] if background else None, in_view)
         without = scores(plain[0], plain[0], plain[1] if background else None, in_view)
+        with_op.append(hard_dice_loss(pair, labels, in_view))
+        without.append(hard_dice_loss(plain_logits, labels))  # the updater scores the untouched copy on every voxel
         effects[op.name] = tuple(100 * float((a - b).mean()) for a, b in zip(with_op, without))
     return effects
 
@@ -241,14 +253,16 @@ def main(argv: list[str] | None = None) -> list[tuple]:
         by_pair = sorted(gains, key=lambda n: -gains[n][0])
         true_rank = {name: i + 1 for i, name in enumerate(by_pair)}
         print(f"\n{checkpoint}")
-        patch_head = f" {'patch loss':>10} {'in view':>8} {'vol stats':>9} {'pooled':>9}" if on_patches else ""
+        patch_head = (
+            f" {'patch loss':>10} {'in view':>8} {'vol stats':>9} {'pooled':>9} {'pair hard':>9}" if on_patches else ""
+        )
         print(f"  {'op':<28} {'pair':>7} {'alone':>7}{patch_head} {'learned rank':>13}")
 
         for name in by_pair[: args.top]:
             learned = f"{ranks[name][0]:>13}" if ranks else f"{'-':>13}"
             patch = (
                 f" {on_patches[name][0]:>+10.2f} {on_patches[name][1]:>+8.2f} {on_patches[name][2]:>+9.2f}"
-                f" {on_patches[name][3]:>+9.2f}"
+                f" {on_patches[name][3]:>+9.2f} {on_patches[name][4]:>+9.2f}"
                 if on_patches
                 else ""
             )
@@ -269,7 +283,7 @@ def main(argv: list[str] | None = None) -> list[tuple]:
             if on_patches:
                 patch = (f", patch loss {on_patches[best][0]:+.2f} ({on_patches[best][1]:+.2f} in view, "
                          f"{on_patches[best][2]:+.2f} with volume stats, {on_patches[best][3]:+.2f} pooled with a "
-                         "background patch)")  # fmt: skip
+                         f"background patch, {on_patches[best][4]:+.2f} hard, with the identity)")  # fmt: skip
             print(f"  shift-undoing {best}: pair {gains[best][0]:+.2f}, alone {gains[best][1]:+.2f}{patch}, rank by "
                   f"pair gain {true_rank[best]}, learned rank {learned_rank if ranks else '-'}")  # fmt: skip
             rows.append((run_dir, best, gains[best], true_rank[best], learned_rank))

@@ -58,7 +58,7 @@ def test_ops_the_network_commutes_with_gain_nothing_on_volumes_and_patches(bench
     assert set(gains) == set(effects) == {op.name for op in TEA_OPS[1:]}
     for name in EXACT:  # mapped back exactly: a missing or wrong inverse breaks this
         assert gains[name] == pytest.approx((0.0, 0.0), abs=1e-9), name
-        assert effects[name] == pytest.approx((0.0, 0.0, 0.0, 0.0), abs=1e-5), name
+        assert effects[name] == pytest.approx((0.0,) * len(bench.PATCH_SCORES), abs=1e-5), name
     assert gains["noise_0.125"] != (0.0, 0.0) and effects["gamma_expand_0.5"][0] != 0.0  # the others do change it
     # an intensity op keeps every voxel in view: both columns agree; a zoom in is scored on its centre in the second
     assert effects["gamma_expand_0.5"][0] == pytest.approx(effects["gamma_expand_0.5"][1], abs=1e-6)
@@ -116,6 +116,7 @@ def test_main_ranks_ops_and_reads_the_learned_ranks(bench, tmp_path, capsys):
     assert "Spearman(learned probability, pair gain)" in printed and "patch loss" in printed
     assert "Spearman(patch loss in view, volume stats, falling; pair gain)" in printed
     assert "Spearman(patch loss pooled with a background patch, falling; pair gain)" in printed
+    assert "Spearman(patch loss with identity, hard, falling; pair gain)" in printed
     assert out.read_text().count("\n") == 2 + len(rows)
 
 
@@ -144,3 +145,26 @@ def test_selections_compare_the_learned_choice_with_exhaustive_ones(bench, tmp_p
     assert dice["validation pair"] == dice["split pair (ceiling)"]
     table = out.read_text().split("\n\n")[1].splitlines()
     assert table[0].count("|") == len(bench.SELECTIONS) + 2 and len(table) == 3
+
+
+def test_the_pair_column_is_what_the_updater_scores_with_identity_hard(bench):
+    """The last patch column is the change of the updater's ``with-identity-hard`` score (in view, the volume's
+    statistics) against the untouched copy, averaged over the patches: for every op, in view or not."""
+    from jcsaug.engine import TEAPolicyUpdater
+    from jcsaug.policy import make_tea_policy
+
+    torch.manual_seed(0)
+    net, volumes = _Voxelwise().eval(), _volumes()
+    net.conv.weight.data.mul_(0.3)  # softer logits: intensity ops and zooms move the argmax on some voxels
+    with torch.no_grad():
+        patches = bench.lesion_patches(volumes, [8, 8, 8], 4)
+        effects = bench.patch_effects(net, patches, torch.device("cpu"))
+    updater = TEAPolicyUpdater(make_tea_policy("nnunet"), net, None, op_score="with-identity-hard",
+                               mask_out_of_view=True)  # fmt: skip
+    ops = list(TEA_OPS[1:])
+    scores = torch.stack([updater._mapped_back_dice(x[0], y[0], ops, stats) for x, y, stats in patches])
+    expected = 100 * (scores[:, 1:] - scores[:, :1]).mean(0)
+    column = torch.tensor([effects[op.name][-1] for op in ops], dtype=expected.dtype)
+    assert torch.allclose(column, expected, atol=1e-6)
+    assert expected.abs().max() > 0.5  # some op changes the segmentation: the comparison is not of zeros
+    assert all(torch.isnan(torch.tensor(effects[op.name][3])) for op in ops)  # no background given: no pooled score
