@@ -254,18 +254,18 @@ class TEAPolicyUpdater(PolicyUpdater):
         if self.background_patches and self.op_score == "ensemble":
             raise ValueError("background_patches needs an op_score other than 'ensemble' (it scores one patch)")
         self._settings.update(estimator=estimator, num_copies=int(num_copies), patches=self.patches)
-        # (checkpoints saved before these four were recorded ran with the defaults, which a resume check assumes
-        # for them: resume.UPDATER_SETTINGS_BEFORE_SAVED)
-        self._settings.update(background_patches=self.background_patches, op_score=self.op_score)
         self.tta_z = int(tta_z)
         self.tta_identity_weight = None if tta_identity_weight is None else float(tta_identity_weight)
         if self.op_score == "ensemble":
             self._settings.update(tta_z=self.tta_z, tta_identity_weight=self.tta_identity_weight)
         self.mask_out_of_view = bool(mask_out_of_view)
         self.inferer = inferer
+        # how the copies are scored (checkpoints saved before these were recorded ran with the defaults, which a
+        # resume check assumes for them: resume.UPDATER_SETTINGS_BEFORE_SAVED)
         self._settings.update(
-            mask_out_of_view=self.mask_out_of_view, inferer=None if inferer is None else type(inferer).__name__
-        )
+            background_patches=self.background_patches, op_score=self.op_score,
+            mask_out_of_view=self.mask_out_of_view, inferer=None if inferer is None else type(inferer).__name__,
+        )  # fmt: skip
         self.effects = self._paired_effects(estimator, effect_smoothing)
         if ops is None:
             from jcsaug.ops.tea import TEA_OPS
