@@ -1,0 +1,127 @@
+"""MONAI's own bundle tools work on every bundle: ``verify_net_in_out`` checks the network against
+``metadata.json`` and ``ckpt_export`` writes a TorchScript network that predicts what the trained one predicts.
+
+* each ``metadata.json`` gives the input and output shapes of the bundle's default network at its patch size (the
+  dataset bundles once gave a sentence there, which MONAI's tools read character by character and refused);
+* ``verify_net_in_out`` passes on every bundle as it is, and with another network and its input size given as the
+  bundles' README shows;
+* ``ckpt_export`` of a checkpoint as the bundles save it: scripted for the synthetic bundle's U-Net, traced (the
+  README's ``--use_trace``) for the dataset bundles' networks at the size their whole-volume inferer feeds them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from monai.bundle import ConfigParser, ckpt_export, verify_net_in_out
+
+from fake_raw import TASK_NAMES
+
+BUNDLES = Path(__file__).resolve().parents[1] / "bundles"
+ALL_BUNDLES = (*TASK_NAMES, "synthetic_lesion")
+INPUT_SHAPE_ID = "_meta_#network_data_format#inputs#image#spatial_shape"
+#: small networks for the export tests (the export's mechanics do not depend on the width)
+SMALL = {"unet3d": {"base_filters": 4}, "deepmedic": {"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]}}
+
+
+def _files(bundle: str) -> tuple[str, str]:
+    folder = BUNDLES / bundle / "configs"
+    return str(folder / "train.yaml"), str(folder / "metadata.json")
+
+
+def _parser(bundle: str, **overrides) -> ConfigParser:
+    config, meta = _files(bundle)
+    parser = ConfigParser()
+    parser.read_config(config)
+    parser.read_meta(meta)
+    parser.update(overrides)
+    return parser
+
+
+def _sizes(bundle: str, **overrides) -> tuple[list[int], list[int]]:
+    """The network's (input, output) spatial sizes at the bundle's patch size, as its config resolves them."""
+    parser = _parser(bundle, **overrides)
+    if bundle == "synthetic_lesion":  # a plain U-Net: the output has the input's size
+        size = list(parser.get_parsed_content("patch_size"))
+        return size, size
+    return list(parser.get_parsed_content("input_size")), list(parser.get_parsed_content("output_size"))
+
+
+@pytest.mark.parametrize("bundle", ALL_BUNDLES)
+def test_metadata_gives_the_default_networks_shapes(bundle):
+    """A list per input and output that MONAI's tools can read, equal to what the config resolves for its default
+    network, so the two cannot drift apart."""
+    formats = json.loads(Path(_files(bundle)[1]).read_text())["network_data_format"]
+    shapes = [formats["inputs"]["image"]["spatial_shape"], formats["outputs"]["pred"]["spatial_shape"]]
+    assert all(isinstance(s, list) and all(isinstance(v, int) for v in s) for s in shapes), shapes
+    assert shapes == list(_sizes(bundle))
+
+
+@pytest.mark.parametrize("bundle", ["kits19_tumor", "synthetic_lesion"])
+def test_verify_net_in_out_passes_on_a_bundle_as_it_is(bundle):
+    """One dataset bundle stands for the six (one machinery; the test above ties each metadata.json to its config),
+    at full width: what a user's ``python -m monai.bundle verify_net_in_out network_def ...`` runs."""
+    config, meta = _files(bundle)
+    verify_net_in_out(net_id="network_def", meta_file=meta, config_file=config, device="cpu")
+
+
+def test_verify_net_in_out_with_another_network_and_its_input_size():
+    """As the bundles' README shows: ``--network deepmedic`` and that network's input size."""
+    network = "deepmedic"
+    config, meta = _files("kits19_tumor")
+    size, _ = _sizes("kits19_tumor", network=network)
+    verify_net_in_out(
+        net_id="network_def", meta_file=meta, config_file=config, device="cpu", network=network,
+        **{INPUT_SHAPE_ID: size},
+    )  # fmt: skip
+    # the metadata's own size (the U-Net's patch) is refused by DeepMedic, which needs its context
+    with pytest.raises(ValueError, match="too small for DeepMedic"):
+        verify_net_in_out(net_id="network_def", meta_file=meta, config_file=config, device="cpu", network=network)
+
+
+def _checkpoint(parser: ConfigParser, path: Path) -> torch.nn.Module:
+    """A trained-looking network saved under the key the bundles' checkpoints use (``network``)."""
+    torch.manual_seed(0)
+    net = parser.get_parsed_content("network_def")
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    torch.save({"network": net.state_dict(), "optimizer": {}}, path)
+    return net.eval()
+
+
+def test_ckpt_export_scripts_the_synthetic_bundles_network(tmp_path):
+    config, meta = _files("synthetic_lesion")
+    net = _checkpoint(_parser("synthetic_lesion"), tmp_path / "checkpoint.pt")
+    ckpt_export(
+        net_id="network_def", filepath=str(tmp_path / "model.ts"), ckpt_file=str(tmp_path / "checkpoint.pt"),
+        key_in_ckpt="network", meta_file=meta, config_file=config,
+    )  # fmt: skip
+    exported = torch.jit.load(str(tmp_path / "model.ts"))
+    x = torch.rand(1, 1, 32, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x), net(x))
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("network", ["unet3d", "deepmedic"])
+def test_ckpt_export_traces_a_dataset_bundles_network_at_its_inferers_size(tmp_path, network):
+    """Traced at the size the whole-volume inferer feeds the network (DeepMedic: its larger test segment), the
+    TorchScript network predicts what the trained one predicts."""
+    overrides = {"network": network, "network_kwargs": SMALL[network]}
+    parser = _parser("kits19_tumor", **overrides)
+    net = _checkpoint(parser, tmp_path / "checkpoint.pt")
+    roi = list(parser.get_parsed_content("sw_inferer").roi_size)
+    config, meta = _files("kits19_tumor")
+    ckpt_export(
+        net_id="network_def", filepath=str(tmp_path / "model.ts"), ckpt_file=str(tmp_path / "checkpoint.pt"),
+        key_in_ckpt="network", meta_file=meta, config_file=config, use_trace=True, input_shape=[1, 1, *roi],
+        **overrides,
+    )  # fmt: skip
+    exported = torch.jit.load(str(tmp_path / "model.ts"))
+    x = torch.rand(1, 1, *roi)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x), net(x))
