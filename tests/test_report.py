@@ -201,3 +201,65 @@ def test_report_classes_of_every_task():
     assert report_classes(None, None) == (None, None) and report_classes(None, [2]) == ([2], None)
     with pytest.raises(ReportError, match="unknown task 'nope'"):
         report_classes("nope", None)
+
+
+def _absent_class_cases() -> dict:
+    """``{case: (prediction, label)}``: class 2 is in case a's label only; case b's prediction has none either
+    (both empty), case c's has some (a false positive); class 1 is half found in b and c (Dice 2/3)."""
+    import torch
+
+    label = torch.zeros(8, 8, 8, dtype=torch.long)
+    label[:4] = 1  # class 1 in every case
+    with_two = label.clone()
+    with_two[6:] = 2
+    half_one = label.clone()
+    half_one[2:4] = 0
+    false_two = half_one.clone()
+    false_two[7] = 2
+    return {"a": (with_two, with_two), "b": (half_one, label), "c": (false_two, label)}
+
+
+def _evaluated_run(run_dir: Path) -> Path:
+    """A per_case.csv as evaluate_cases writes it, from the label maps of :func:`_absent_class_cases`."""
+    from jcsaug.evaluation.metrics import case_metrics
+    from jcsaug.evaluation.segmentation import per_case_csv
+
+    rows = [{"case": case, **case_metrics(pred, true, 3)} for case, (pred, true) in _absent_class_cases().items()]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "per_case.csv").write_text(per_case_csv({"none": {"per_case": rows}}))
+    return run_dir
+
+
+def test_absent_classes_are_scored_or_left_out_of_the_case_mean(tmp_path, capsys):
+    """``--absent-classes ignore`` leaves a class absent from a case's label out of that case's mean whatever the
+    prediction (MONAI's ``DiceMetric(ignore_empty=True)``); by default it counts as the metrics score it."""
+    from monai.metrics import DiceMetric
+    from monai.networks.utils import one_hot
+
+    run = _evaluated_run(tmp_path / "run")
+    statuses = [row["status"] for row in csv.DictReader((run / "per_case.csv").read_text().splitlines())]
+    assert statuses == ["ok", "ok", "ok", "both_empty", "ok", "label_empty"]
+    scored = build_report([run], metrics=["dice"])
+    assert scored.values["none"]["dice"] == pytest.approx([1.0, (2 / 3 + 1) / 2, (2 / 3 + 0) / 2])
+    ignored = build_report([run], metrics=["dice", "precision"], absent_classes="ignore")
+    assert ignored.values["none"]["dice"] == pytest.approx([1.0, 2 / 3, 2 / 3])
+    assert ignored.values["none"]["precision"] == pytest.approx([1.0, 1.0, 1.0])  # the false positive's 0 left out
+    # the same per-case means as MONAI's Dice with empty labels ignored
+    monai_dice = DiceMetric(include_background=False, ignore_empty=True, reduction="none")
+    for (pred, true), value in zip(_absent_class_cases().values(), ignored.values["none"]["dice"]):
+        assert float(monai_dice(one_hot(pred[None, None], 3), one_hot(true[None, None], 3)).nanmean()) == (
+            pytest.approx(value)
+        )
+    # from the command line, named in the table's note; a CSV without statuses is refused for ignore
+    assert _cli([str(run), "--metrics", "dice", "--absent-classes", "ignore"]) == 0
+    out = capsys.readouterr().out
+    assert "| none | **77.8** |" in out and "absent from a case's label left out" in out
+    assert _cli([str(run), "--metrics", "dice"]) == 0 and "| none | **72.2** |" in capsys.readouterr().out
+    old = tmp_path / "old" / "per_case.csv"
+    old.parent.mkdir()
+    old.write_text("\n".join(line.rsplit(",", 1)[0] for line in (run / "per_case.csv").read_text().splitlines()))
+    with pytest.raises(ReportError, match=r"old/per_case.csv: missing column\(s\) \['status'\]"):
+        build_report([old.parent], absent_classes="ignore")
+    assert build_report([old.parent], metrics=["dice"]).values["none"]["dice"] == scored.values["none"]["dice"]
+    with pytest.raises(ReportError, match="absent_classes 'skip'"):
+        build_report([run], absent_classes="skip")

@@ -10,6 +10,10 @@ Input: the ``per_case.csv`` of one or more run directories (written by
 - **Per-case value** of a metric: the mean over the selected foreground classes of the defined values
   (undefined = NaN, see :mod:`jcsaug.evaluation.metrics`); undefined if no class is defined. Classes: ``--classes``,
   else with ``--task`` the task's headline subset (its first ``report_classes``: KiTS tumour), else all.
+- **A class absent from a case's label** (BTCV's gallbladder in 2 of 30 cases): scored by default as the metrics
+  score it (Dice 1 when the prediction has none either, 0 when it has some); ``--absent-classes ignore`` leaves it
+  out of that case's mean whatever the prediction, as MONAI's ``DiceMetric(ignore_empty=True)`` does (read from the
+  CSV's ``status`` column).
 - **Pairing**: every method must have been evaluated on the same case ids (compared exactly, against the baseline,
   or the first method without one), else :class:`ReportError` names the missing cases.
 - **Mean**: over the cases with a defined value; the number of undefined cases is reported.
@@ -41,6 +45,10 @@ from jcsaug.evaluation.metrics import HIGHER_IS_BETTER, METRICS, nanmean
 from jcsaug.utils import atomic_write_text
 
 PER_CASE_CSV = "per_case.csv"
+#: how a class absent from a case's label counts (``--absent-classes``): as the metrics score it, or left out
+ABSENT_CLASSES = ("score", "ignore")
+#: the ``status`` values of a class absent from the label (:data:`jcsaug.evaluation.metrics.STATUSES`)
+ABSENT_STATUSES = ("both_empty", "label_empty")
 LABELS = {"dice": "DSC", "sensitivity": "Sens.", "precision": "Prec.", "hd95": "HD95"}
 
 
@@ -68,6 +76,7 @@ class Report:
     classes: list[int] | None = None
     values: dict[str, dict[str, list[float]]] = field(default_factory=dict, repr=False)
     classes_name: str | None = None  # what ``classes`` are, e.g. "tumour" (from a task's report_classes)
+    absent_classes: str = "score"  # how a class absent from a case's label counts (ABSENT_CLASSES)
 
     def rows(self) -> list[dict]:
         """One flat dictionary per method (the CSV rows)."""
@@ -122,9 +131,10 @@ class Report:
         classes = "all foreground classes" if self.classes is None else f"classes {self.classes}"
         if self.classes_name:
             classes += f" ({self.classes_name})"
+        absent = " (a class absent from a case's label left out)" if self.absent_classes == "ignore" else ""
         note = (
-            f"{len(self.cases)} paired cases, per-case values averaged over {classes}. Ranks: 1 = best mean per "
-            "metric, ties averaged."
+            f"{len(self.cases)} paired cases, per-case values averaged over {classes}{absent}. Ranks: 1 = best mean "
+            "per metric, ties averaged."
         )
         if tested:
             note += (
@@ -169,13 +179,22 @@ def _float(text: str | None) -> float:
 
 
 def read_per_case(
-    path: str | Path, metrics: Sequence[str] = METRICS, classes: Sequence[int] | None = None
+    path: str | Path,
+    metrics: Sequence[str] = METRICS,
+    classes: Sequence[int] | None = None,
+    absent_classes: str = "score",
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """``{method: {metric: {case: value}}}`` from a ``per_case.csv``, values averaged over the classes."""
+    """``{method: {metric: {case: value}}}`` from a ``per_case.csv``, values averaged over the classes
+    (``absent_classes="ignore"``: over those present in the case's label; a case without any is undefined)."""
     path = Path(path)
+    if absent_classes not in ABSENT_CLASSES:
+        raise ReportError(f"absent_classes {absent_classes!r}: must be one of {list(ABSENT_CLASSES)}")
+    ignore_absent = absent_classes == "ignore"
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
-        missing = {"method", "case", "class", *metrics} - set(reader.fieldnames or [])
+        missing = {"method", "case", "class", *metrics, *(("status",) if ignore_absent else ())} - set(
+            reader.fieldnames or []
+        )
         if missing:
             raise ReportError(f"{path}: missing column(s) {sorted(missing)}")
         collected: dict[str, dict[str, dict[str, list[float]]]] = {}
@@ -186,8 +205,9 @@ def read_per_case(
             if classes is not None and c not in classes:
                 continue
             per_metric = collected.setdefault(row["method"], {m: {} for m in metrics})
+            absent = ignore_absent and row["status"] in ABSENT_STATUSES
             for m in metrics:
-                per_metric[m].setdefault(row["case"], []).append(_float(row[m]))
+                per_metric[m].setdefault(row["case"], []).append(math.nan if absent else _float(row[m]))
     if not seen:
         raise ReportError(f"{path}: no rows")
     if classes is not None:
@@ -222,6 +242,7 @@ def build_report(
     baseline: str | None = None,
     metrics: Sequence[str] = METRICS,
     classes: Sequence[int] | None = None,
+    absent_classes: str = "score",
 ) -> Report:
     """Compare the methods of ``run_dirs`` (each holding a ``per_case.csv``): means and ranks, and with a
     ``baseline`` paired Wilcoxon tests against it and ΔDSC.
@@ -231,6 +252,8 @@ def build_report(
         baseline: the method name the others are tested against; ``None``: no tests.
         metrics: metrics of the table, a subset of ``("dice", "sensitivity", "precision", "hd95")``.
         classes: foreground classes to average over (e.g. ``[2]`` for KiTS tumour); None = all.
+        absent_classes: ``"score"``: a class absent from a case's label counts as the metrics score it (Dice 1 or
+            0); ``"ignore"``: it is left out of that case's mean (MONAI's ``DiceMetric(ignore_empty=True)``).
     """
     metrics = tuple(metrics)
     unknown = [m for m in metrics if m not in METRICS]
@@ -245,7 +268,7 @@ def build_report(
         csv_path = Path(run_dir) / PER_CASE_CSV
         if not csv_path.is_file():
             raise ReportError(f"{run_dir}: no {PER_CASE_CSV} (is it a run directory that was evaluated?)")
-        for method, per_metric in read_per_case(csv_path, read_metrics, classes).items():
+        for method, per_metric in read_per_case(csv_path, read_metrics, classes, absent_classes).items():
             values[method if len(run_dirs) == 1 else f"{run_name}/{method}"] = per_metric
     methods = list(values)
     if baseline is not None and baseline not in values:
@@ -297,6 +320,7 @@ def build_report(
         else {m: 100.0 * (means[m]["dice"] - means[baseline]["dice"]) for m in methods},
         classes=None if classes is None else [int(c) for c in classes],
         values=table,
+        absent_classes=absent_classes,
     )
 
 
@@ -328,6 +352,14 @@ def build_report_parser(p: argparse.ArgumentParser) -> None:
         help="the runs' dataset task: average over the classes the paper reports for it (its headline "
         "report_classes, e.g. kits19_tumor: tumour = class 2) unless --classes is given",
     )
+    p.add_argument(
+        "--absent-classes",
+        choices=ABSENT_CLASSES,
+        default="score",
+        help="a class absent from a case's label: 'score' counts it as the metrics do (Dice 1 if none is "
+        "predicted, else 0; the default), 'ignore' leaves it out of the case's mean, as MONAI's "
+        "DiceMetric(ignore_empty=True)",
+    )
 
 
 def report_classes(task: str | None, classes: Sequence[int] | None) -> tuple[list[int] | None, str | None]:
@@ -353,7 +385,10 @@ def run_report(args: argparse.Namespace) -> int:
     """Build the report; print it or write ``<output>.md``/``<output>.csv``. Exit code 2 on bad input."""
     try:
         classes, name = report_classes(getattr(args, "task", None), args.classes)
-        report = build_report(args.run_dirs, args.baseline, metrics=args.metrics, classes=classes)
+        report = build_report(
+            args.run_dirs, args.baseline, metrics=args.metrics, classes=classes,
+            absent_classes=getattr(args, "absent_classes", "score"),
+        )  # fmt: skip
     except ReportError as error:
         print(f"jcsaug report: error: {error}", file=sys.stderr)
         return 2
