@@ -34,6 +34,7 @@ COMBINED_SHIFT_RECORDED = {
     "blur": [0.8, 1.0],
     "scale": None,
     "noise": None,
+    "low_resolution": None,
 }
 
 

@@ -202,6 +202,35 @@ def test_the_noise_shift_adds_gaussian_noise_to_the_plain_z_scored_case() -> Non
     assert 0.1 <= float(np.std(image - plain)) < 0.16
 
 
+def test_the_low_resolution_shift_is_the_tra_low_resolution_of_the_plain_case() -> None:
+    """``low_resolution``: the source case, then zoomed down by the factor drawn next and back up (the TRA's own op,
+    the last series, so its bin reproduces the shift); the label is untouched. Undone by the TRA bin of that zoom,
+    by no TEA op."""
+    import torch
+
+    from jcsaug.ops.intensity import low_resolution
+
+    rng, plain_rng = np.random.default_rng(4), np.random.default_rng(4)
+    image, label = synthesize_case(rng, SHAPE, {"low_resolution": [0.6, 0.8]})
+    plain, plain_label = synthesize_case(plain_rng, SHAPE, "source")
+    zoom = plain_rng.uniform(0.6, 0.8)
+    np.testing.assert_array_equal(label, plain_label)
+    expected = low_resolution(torch.from_numpy(plain)[None, None], [zoom])[0, 0].numpy()
+    np.testing.assert_allclose(image, expected, atol=1e-6)
+    small = int(round(SHAPE[0] * zoom))  # nearest upsampling repeats slices: fewer distinct ones along each axis
+    assert len(np.unique(image[:, 5, 5])) <= small < SHAPE[0]
+    assert shift_undoing_ops({"low_resolution": [0.6, 0.8]}) == {
+        "tra": [{"series": "low_resolution", "op": "low_resolution[0.6,0.8)"}], "tea": []}  # fmt: skip
+    assert shift_undoing_ops({"low_resolution": [0.82, 0.9]})["tra"][0]["op"] == "low_resolution[0.8,1)"
+    assert (
+        describe_shift({"low_resolution": [0.6, 0.8]}) == "resolution reduced by a zoom of 0.6-0.8 (down and up again)"
+    )
+    # a domain without the key (one recorded before it) draws the same cases
+    no_key = {k: v for k, v in TARGET_SHIFTS["default"].items() if k != "low_resolution"}
+    a = synthesize_case(np.random.default_rng(9), SHAPE, no_key)
+    np.testing.assert_array_equal(a[0], synthesize_case(np.random.default_rng(9), SHAPE, "target")[0])
+
+
 def test_the_ops_that_undo_a_zoom_and_noise_are_named_from_the_catalogues() -> None:
     """A magnified target: the TRA zoom whose bin holds the factor's magnitude (its direction drawn: partial) and the
     TEA zoom the other way; a shrunk one: the TEA zoom up; noise: the TRA noise of that sd, no TEA op (none
@@ -353,7 +382,8 @@ def test_a_mapping_shift_makes_the_target_cases_it_asks_for_and_records_them(tmp
     [
         (
             {"long_axis": 1, "sigma": 2},
-            r"\['sigma'\]; the keys are \['long_axis', 'mirror_axis0', 'gamma', 'blur', 'scale', 'noise'\]",
+            r"\['sigma'\]; the keys are \['long_axis', 'mirror_axis0', 'gamma', 'blur', 'scale', 'noise', "
+            r"'low_resolution'\]",
         ),
         ({"long_axis": 3}, "'long_axis' .* got 3"),
         ({"long_axis": True}, "'long_axis' .* got True"),
@@ -369,6 +399,8 @@ def test_a_mapping_shift_makes_the_target_cases_it_asks_for_and_records_them(tmp
         ({"blur": "0.8,1"}, "'blur' .* got '0.8,1'"),
         ({"scale": [0, 1.2]}, r"'scale' .* 0 < lo < hi; got \[0, 1\.2\]"),
         ({"noise": [0.2, 0.1]}, r"'noise' .* 0 <= lo < hi; got \[0\.2, 0\.1\]"),
+        ({"low_resolution": [0.5, 1.2]}, r"'low_resolution' .* 0 < lo < hi <= 1; got \[0\.5, 1\.2\]"),
+        ({"low_resolution": [0, 0.5]}, r"'low_resolution' .* got \[0, 0\.5\]"),
         (3, "a mapping, got 3"),
     ],
 )
@@ -392,6 +424,7 @@ def test_mappings_are_normalised_and_a_mapping_equal_to_a_named_shift_is_that_sh
         "blur": None,
         "scale": None,
         "noise": None,
+        "low_resolution": None,
     }
     assert describe_shift({}) == "no shift" and shift_undoing_ops({}) == {"tra": [], "tea": []}
     assert describe_shift(COMBINED_SHIFT).startswith("lesion long axis rotated from array axis 0 to 1, placement")
@@ -414,7 +447,7 @@ def test_a_named_shift_and_the_equal_mapping_share_a_folder_another_mapping_is_f
         assert make_synthetic_dataset(tmp_path / "custom", target_shift=None, **kwargs) == custom
     other = {**COMBINED_SHIFT, "blur": [0.6, 0.8]}
     with pytest.warns(UserWarning, match=r"'target_shift': \{'long_axis': 1, 'mirror_axis0': True, 'gamma': None, "
-                      r"'blur': \[0\.6, 0\.8\], 'scale': None, 'noise': None\}"):  # fmt: skip
+                      r"'blur': \[0\.6, 0\.8\], 'scale': None, 'noise': None, 'low_resolution': None\}"):  # fmt: skip
         make_synthetic_dataset(tmp_path / "custom", target_shift=other, **kwargs)
     for asked in ("default", "blur"):
         with pytest.warns(UserWarning, match=f"'target_shift': '{asked}'"):

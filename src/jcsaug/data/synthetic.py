@@ -34,7 +34,9 @@ as a mapping of the same keys (:data:`SHIFT_KEYS`; :func:`resolve_target_shift`)
 uses: ``scale`` (the scene magnified about the volume's centre by a factor drawn in the range, image and label, as a
 scanner with a finer voxel spacing would show it; below 1 it shrinks, the border filled by reflection; the foreground
 fraction changes with it) and ``noise`` (Gaussian noise of a standard deviation drawn in the range added to the
-z-scored, possibly blurred, image: a noisier scanner).
+z-scored, possibly blurred, image: a noisier scanner) and ``low_resolution`` (the image zoomed down by a factor
+drawn in the range, trilinear, and back up, nearest, as the TRA's low-resolution op does to a patch: a scanner with
+thicker voxels; applied last).
 
 Layout written under ``out_dir`` (file names are unique across splits, numbered training first)::
 
@@ -89,9 +91,26 @@ SPLITS: dict[str, tuple[str, str, str]] = {
 _DOMAINS = {
     # long axis of the lesions, mirror along array axis 0, gamma range (None = no gamma), Gaussian blur sigma range
     # of the z-scored image (None = no blur), magnification range (None = none), sd range of the added noise
-    # (None = none); a mapping's missing key reads as the source's (resolve_target_shift)
-    "source": {"long_axis": 0, "mirror_axis0": False, "gamma": None, "blur": None, "scale": None, "noise": None},
-    "target": {"long_axis": 2, "mirror_axis0": True, "gamma": (1.4, 1.6), "blur": None, "scale": None, "noise": None},
+    # (None = none), zoom range of the low resolution (None = none); a mapping's missing key reads as the source's
+    # (resolve_target_shift)
+    "source": {
+        "long_axis": 0,
+        "mirror_axis0": False,
+        "gamma": None,
+        "blur": None,
+        "scale": None,
+        "noise": None,
+        "low_resolution": None,
+    },
+    "target": {
+        "long_axis": 2,
+        "mirror_axis0": True,
+        "gamma": (1.4, 1.6),
+        "blur": None,
+        "scale": None,
+        "noise": None,
+        "low_resolution": None,
+    },
 }
 
 #: Named target domains (``make_synthetic_dataset(target_shift=...)``): the default one, and others that check
@@ -110,7 +129,7 @@ TARGET_SHIFTS: dict[str, dict] = {
     "gamma": {**_DOMAINS["source"], "gamma": (1.4, 1.6)},
 }
 #: the keys of a target domain; a ``target_shift`` mapping's missing keys take the source domain's values
-SHIFT_KEYS = ("long_axis", "mirror_axis0", "gamma", "blur", "scale", "noise")
+SHIFT_KEYS = ("long_axis", "mirror_axis0", "gamma", "blur", "scale", "noise", "low_resolution")
 CUSTOM_SHIFT = "custom"
 """The name recorded for a ``target_shift`` mapping that equals no :data:`TARGET_SHIFTS` entry."""
 
@@ -121,7 +140,9 @@ _MAX_TILT_DEG = 25.0
 
 
 #: the range aspects of a target domain -> whether their lower bound must be above 0 (a factor) or may be 0
-_RANGE_KEYS = {"gamma": True, "blur": False, "scale": True, "noise": False}
+_RANGE_KEYS = {"gamma": True, "blur": False, "scale": True, "noise": False, "low_resolution": True}
+#: the range aspects whose upper bound is capped (a low resolution zooms down: a factor of at most 1)
+_RANGE_MAX = {"low_resolution": 1.0}
 _AXIS_NAMES = ("sagittal", "frontal", "longitudinal")  # array axes 0, 1, 2 after RAS (jcsaug.ops.axes)
 
 
@@ -142,28 +163,32 @@ def describe_shift(target: str | Mapping) -> str:
         parts.append(f"scene magnified by {target['scale'][0]:g}-{target['scale'][1]:g}")
     if target["noise"] is not None:
         parts.append(f"Gaussian noise sd {target['noise'][0]:g}-{target['noise'][1]:g}")
+    if target["low_resolution"] is not None:
+        lo, hi = target["low_resolution"]
+        parts.append(f"resolution reduced by a zoom of {lo:g}-{hi:g} (down and up again)")
     return ", ".join(parts) or "no shift"
 
 
-def _check_pair(key: str, value: object, open_low: bool) -> tuple[float, float] | None:
-    """A ``gamma`` / ``blur`` / ``scale`` / ``noise`` range: ``None`` or finite ``lo < hi`` with ``0 < lo``
-    (``open_low``) or ``0 <= lo``."""
+def _check_pair(key: str, value: object, open_low: bool, high: float = math.inf) -> tuple[float, float] | None:
+    """A ``gamma`` / ``blur`` / ``scale`` / ``noise`` / ``low_resolution`` range: ``None`` or finite ``lo < hi`` with
+    ``0 < lo`` (``open_low``) or ``0 <= lo``, and ``hi <= high``."""
     if value is None:
         return None
     pair = tuple(value) if isinstance(value, (list, tuple)) else ()
     if len(pair) == 2 and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in pair):
         lo, hi = float(pair[0]), float(pair[1])
-        if math.isfinite(hi) and (lo > 0 if open_low else lo >= 0) and lo < hi:
+        if math.isfinite(hi) and (lo > 0 if open_low else lo >= 0) and lo < hi <= high:
             return lo, hi
-    bound = "0 < lo < hi" if open_low else "0 <= lo < hi"
+    bound = ("0 < lo < hi" if open_low else "0 <= lo < hi") + (f" <= {high:g}" if math.isfinite(high) else "")
     raise ValueError(f"target_shift {key!r} must be null or a pair [lo, hi] of finite numbers, {bound}; got {value!r}")
 
 
 def resolve_target_shift(shift: str | Mapping) -> tuple[str, dict]:
     """``(name, target domain)`` of a ``target_shift``: a :data:`TARGET_SHIFTS` name, or a mapping of
     :data:`SHIFT_KEYS` (a missing key: the source domain's value, no change in that aspect; ``long_axis`` 0,
-    ``mirror_axis0`` False, ``gamma``, ``blur``, ``scale`` and ``noise`` None; ranges as lists or tuples: ``gamma``
-    and ``scale`` ``0 < lo < hi``, ``blur`` and ``noise`` ``0 <= lo < hi``), checked and normalised (ranges
+    ``mirror_axis0`` False, ``gamma``, ``blur``, ``scale``, ``noise`` and ``low_resolution`` None; ranges as lists or
+    tuples: ``gamma`` and ``scale`` ``0 < lo < hi``, ``blur`` and ``noise`` ``0 <= lo < hi``, ``low_resolution``
+    ``0 < lo < hi <= 1``), checked and normalised (ranges
     as float tuples). A mapping equal to a named shift gets its name, any other :data:`CUSTOM_SHIFT` (the source
     domain itself, ``{}``, is allowed: a control with no shift).
 
@@ -186,7 +211,8 @@ def resolve_target_shift(shift: str | Mapping) -> tuple[str, dict]:
     if not isinstance(mirror, bool):
         raise ValueError(f"target_shift 'mirror_axis0' must be true or false, got {mirror!r}")
     target = {"long_axis": int(axis), "mirror_axis0": mirror,
-              **{key: _check_pair(key, cfg[key], open_low) for key, open_low in _RANGE_KEYS.items()}}  # fmt: skip
+              **{key: _check_pair(key, cfg[key], open_low, _RANGE_MAX.get(key, math.inf))
+                 for key, open_low in _RANGE_KEYS.items()}}  # fmt: skip
     return next((name for name, known in TARGET_SHIFTS.items() if known == target), CUSTOM_SHIFT), target
 
 
@@ -244,7 +270,8 @@ def shift_undoing_ops(target: str | Mapping, source: Mapping = _DOMAINS["source"
     probabilities of both), never by the learning itself. ``target`` is any ``target_shift``
     (:func:`resolve_target_shift`); each aspect of a combined shift is undone by its own ops: a lesion long axis
     turned from ``a`` to ``b`` by a quarter turn about the third axis, the placement mirrored along array axis 0 by
-    the sagittal mirror, a gamma, a blur, a zoom, added noise.
+    the sagittal mirror, a gamma, a blur, a zoom, added noise, a low resolution (the TRA's op of that zoom; no TEA op
+    restores resolution).
     """
     target = resolve_target_shift(target)[1]
     tra: list[dict] = []
@@ -276,6 +303,9 @@ def shift_undoing_ops(target: str | Mapping, source: Mapping = _DOMAINS["source"
         tea.append([_tea_op("scale", magnitude, sign=-1 if factor >= 1.0 else 1)])  # shrink what grew, and back
     if target["noise"] is not None:  # no TEA op removes noise: the TEA has no aspect for it
         tra.append({"series": "noise", "op": _tra_op("noise", "noise", sum(target["noise"]) / 2.0)})
+    if target["low_resolution"] is not None:  # nor restores resolution
+        zoom = sum(target["low_resolution"]) / 2.0
+        tra.append({"series": "low_resolution", "op": _tra_op("low_resolution", "low_resolution", zoom)})
     return {"tra": tra, "tea": tea}
 
 
@@ -353,6 +383,17 @@ def _magnify(image: np.ndarray, label: np.ndarray, factor: float) -> tuple[np.nd
     image = ndimage.affine_transform(image, matrix, offset, order=1, mode="reflect")
     label = ndimage.affine_transform(label.astype(np.uint8), matrix, offset, order=0, mode="reflect")
     return image, label.astype(bool)
+
+
+def _low_resolution(image: np.ndarray, zoom: float) -> np.ndarray:
+    """The image zoomed down by ``zoom`` and back up: the TRA's own op (:func:`jcsaug.ops.intensity.low_resolution`),
+    so that its bin reproduces the shift exactly."""
+    import torch
+
+    from jcsaug.ops.intensity import low_resolution
+
+    x = torch.from_numpy(np.ascontiguousarray(image, dtype=np.float32))[None, None]
+    return low_resolution(x, [zoom])[0, 0].numpy()
 
 
 # ----------------------------------------------------------------------------------------------- one case
@@ -440,6 +481,8 @@ def synthesize_case(
         image = ndimage.gaussian_filter(image, rng.uniform(*cfg["blur"]))
     if cfg["noise"] is not None:  # on the z-scored image, as the TRA's noise on a source patch
         image = image + rng.normal(0.0, rng.uniform(*cfg["noise"]), size=shape)
+    if cfg["low_resolution"] is not None:  # last, as the TRA's low resolution (the last series) on a source patch
+        image = _low_resolution(image, rng.uniform(*cfg["low_resolution"]))
     return np.ascontiguousarray(image, dtype=np.float32), np.ascontiguousarray(label, dtype=np.uint8)
 
 
