@@ -417,15 +417,8 @@ def test_mappings_are_normalised_and_a_mapping_equal_to_a_named_shift_is_that_sh
     name, target = resolve_target_shift(COMBINED_SHIFT)
     assert (name, target) == ("custom", {**COMBINED_SHIFT_RECORDED, "blur": (0.8, 1.0)})
     # the source domain itself is a valid control: no shift, no undoing op
-    assert resolve_target_shift({})[1] == {
-        "long_axis": 0,
-        "mirror_axis0": False,
-        "gamma": None,
-        "blur": None,
-        "scale": None,
-        "noise": None,
-        "low_resolution": None,
-    }
+    ranges = ("gamma", "blur", "scale", "noise", "low_resolution")
+    assert resolve_target_shift({})[1] == {"long_axis": 0, "mirror_axis0": False, **dict.fromkeys(ranges)}
     assert describe_shift({}) == "no shift" and shift_undoing_ops({}) == {"tra": [], "tea": []}
     assert describe_shift(COMBINED_SHIFT).startswith("lesion long axis rotated from array axis 0 to 1, placement")
 
