@@ -131,13 +131,16 @@ def add_noise(x: torch.Tensor, std: Sequence[float], seeds: Sequence[int]) -> to
 
 def low_resolution(x: torch.Tensor, zoom: Sequence[float]) -> torch.Tensor:
     """Zoom each sample down by ``zoom[i]`` (trilinear) and back up (nearest), as the reference code (orders
-    1 then 0). One pair of ``interpolate`` calls per sample: the intermediate sizes differ."""
+    1 then 0, scikit-image's ``resize``). Both steps align the voxel centres, as ``resize`` does: PyTorch's
+    ``"nearest"`` reads voxel ``floor(i * s)`` and so moved the image half a voxel against its label (a centred blob's
+    centroid by +0.5 voxel per axis at zooms 0.9 and 0.7); ``"nearest-exact"`` reads ``floor((i + 0.5) * s)``. One pair
+    of ``interpolate`` calls per sample: the intermediate sizes differ."""
     spatial = list(x.shape[2:])
     out = []
     for i, z in enumerate(zoom):
         small = [max(1, int(round(s * float(z)))) for s in spatial]
         y = F.interpolate(x[i : i + 1], size=small, mode="trilinear", align_corners=False)
-        out.append(F.interpolate(y, size=spatial, mode="nearest"))
+        out.append(F.interpolate(y, size=spatial, mode="nearest-exact"))
     return torch.cat(out)
 
 
