@@ -188,9 +188,8 @@ def resolve_target_shift(shift: str | Mapping) -> tuple[str, dict]:
     :data:`SHIFT_KEYS` (a missing key: the source domain's value, no change in that aspect; ``long_axis`` 0,
     ``mirror_axis0`` False, ``gamma``, ``blur``, ``scale``, ``noise`` and ``low_resolution`` None; ranges as lists or
     tuples: ``gamma`` and ``scale`` ``0 < lo < hi``, ``blur`` and ``noise`` ``0 <= lo < hi``, ``low_resolution``
-    ``0 < lo < hi <= 1``), checked and normalised (ranges
-    as float tuples). A mapping equal to a named shift gets its name, any other :data:`CUSTOM_SHIFT` (the source
-    domain itself, ``{}``, is allowed: a control with no shift).
+    ``0 < lo < hi <= 1``), checked and normalised (ranges as float tuples). A mapping equal to a named shift gets its
+    name, any other :data:`CUSTOM_SHIFT` (the source domain itself, ``{}``, is allowed: a control with no shift).
 
     Raises:
         ValueError: an unknown name or key, or a value out of range (named in the message).
