@@ -12,13 +12,26 @@ from types import ModuleType
 import numpy as np
 import torch
 from ignite.engine import Engine
+from monai.bundle import ConfigParser
 from monai.networks.nets import UNet
 
 from jcsaug.data import make_synthetic_dataset
 from jcsaug.engine import get_loss
 from jcsaug.engine.losses import per_sample_training_losses
 
-CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs"
+BUNDLES = Path(__file__).resolve().parents[1] / "bundles"
+CONFIGS = BUNDLES / "synthetic_lesion" / "configs"
+
+
+def bundle_parser(bundle: str, *extra: str, **overrides) -> ConfigParser:
+    """A bundle's ``train.yaml`` merged with the ``extra`` configs of its folder, its ``metadata.json`` and the
+    ``overrides``, not yet parsed: what ``python -m monai.bundle run`` reads."""
+    folder = BUNDLES / bundle / "configs"
+    parser = ConfigParser()
+    parser.read_config([str(folder / "train.yaml"), *(str(folder / e) for e in extra)])
+    parser.read_meta(str(folder / "metadata.json"))
+    parser.update(overrides)
+    return parser
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

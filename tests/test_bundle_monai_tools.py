@@ -6,7 +6,10 @@
 * ``verify_net_in_out`` passes on every bundle as it is, and with another network and its input size given as the
   bundles' README shows;
 * ``ckpt_export`` of a checkpoint as the bundles save it: scripted for the synthetic bundle's U-Net, traced (the
-  README's ``--use_trace``) for a dataset bundle's DeepMedic at the size its whole-volume inferer feeds it.
+  README's ``--use_trace``) for a dataset bundle's DeepMedic at the size its whole-volume inferer feeds it;
+* every ``train.yaml`` has MONAI's training-workflow properties at MONAI's ids (``train#trainer``, ...), and a
+  ``ConfigWorkflow(workflow_type="train")`` (what MONAI FL builds) reads and sets them: ``max_epochs`` set through
+  the property is what the run trains, schedules and checks.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from monai.bundle import ConfigParser, ckpt_export, verify_net_in_out
+from monai.bundle import ConfigParser, ConfigWorkflow, ckpt_export, verify_net_in_out
+from monai.bundle.properties import TrainProperties
+from monai.utils import BundleProperty, BundlePropertyConfig
 
 from fake_raw import TASK_NAMES
+from helpers import BUNDLES, bundle_parser, small_dataset
 
-BUNDLES = Path(__file__).resolve().parents[1] / "bundles"
 ALL_BUNDLES = (*TASK_NAMES, "synthetic_lesion")
 INPUT_SHAPE_ID = "_meta_#network_data_format#inputs#image#spatial_shape"
 #: a narrow DeepMedic for the export test (the export's mechanics do not depend on the width)
@@ -32,18 +37,9 @@ def _files(bundle: str) -> tuple[str, str]:
     return str(folder / "train.yaml"), str(folder / "metadata.json")
 
 
-def _parser(bundle: str, **overrides) -> ConfigParser:
-    config, meta = _files(bundle)
-    parser = ConfigParser()
-    parser.read_config(config)
-    parser.read_meta(meta)
-    parser.update(overrides)
-    return parser
-
-
 def _sizes(bundle: str, **overrides) -> tuple[list[int], list[int]]:
     """The network's (input, output) spatial sizes at the bundle's patch size, as its config resolves them."""
-    parser = _parser(bundle, **overrides)
+    parser = bundle_parser(bundle, **overrides)
     if bundle == "synthetic_lesion":  # a plain U-Net: the output has the input's size
         size = list(parser.get_parsed_content("patch_size"))
         return size, size
@@ -95,7 +91,7 @@ def _checkpoint(parser: ConfigParser, path: Path) -> torch.nn.Module:
 
 def test_ckpt_export_scripts_the_synthetic_bundles_network(tmp_path):
     config, meta = _files("synthetic_lesion")
-    net = _checkpoint(_parser("synthetic_lesion"), tmp_path / "checkpoint.pt")
+    net = _checkpoint(bundle_parser("synthetic_lesion"), tmp_path / "checkpoint.pt")
     ckpt_export(
         net_id="network_def", filepath=str(tmp_path / "model.ts"), ckpt_file=str(tmp_path / "checkpoint.pt"),
         key_in_ckpt="network", meta_file=meta, config_file=config,
@@ -112,7 +108,7 @@ def test_ckpt_export_traces_a_dataset_bundles_network_at_its_inferers_size(tmp_p
     larger test segment), the TorchScript network predicts what the trained one predicts. (The U-Net traces the same
     way at its patch size, 7 s more of the suite: checked by hand, not here.)"""
     overrides = {"network": "deepmedic", "network_kwargs": SMALL_DEEPMEDIC}
-    parser = _parser("kits19_tumor", **overrides)
+    parser = bundle_parser("kits19_tumor", **overrides)
     net = _checkpoint(parser, tmp_path / "checkpoint.pt")
     roi = list(parser.get_parsed_content("sw_inferer").roi_size)
     config, meta = _files("kits19_tumor")
@@ -125,3 +121,61 @@ def test_ckpt_export_traces_a_dataset_bundles_network_at_its_inferers_size(tmp_p
     x = torch.rand(1, 1, *roi)
     with torch.no_grad():
         torch.testing.assert_close(exported(x), net(x))
+
+
+@pytest.mark.parametrize("bundle", ALL_BUNDLES)
+@pytest.mark.parametrize("multi_gpu", [False, True])
+def test_training_properties_are_at_monais_ids(bundle, multi_gpu):
+    """Each required property's id is in the config (what ``check_properties`` needs, read without building the
+    dataset bundles' data), and each optional one that the config refers to is referred to correctly; the multi-GPU
+    config's handler override lands on the trainer's own id (a stale ``trainer#...`` would add a stray key)."""
+    config, meta = _files(bundle)
+    files = [config, str(Path(config).with_name("multi_gpu_train.yaml"))] if multi_gpu else config
+    workflow = ConfigWorkflow(config_file=files, meta_file=meta, logging_file=False, workflow_type="train")
+    required = [p[BundlePropertyConfig.ID] for p in TrainProperties.values() if p[BundleProperty.REQUIRED]]
+    assert [i for i in required if i not in workflow.parser] == []
+    assert all(workflow._check_optional_id(name, p) for name, p in workflow.properties.items())
+    trainer = workflow.parser["train#trainer"]
+    assert isinstance(trainer, dict) and trainer["_target_"] == "SupervisedTrainer"
+    assert workflow.parser["trainer"] == "@train#trainer"
+    handlers = trainer["train_handlers"]
+    assert ("dist.get_rank()" in handlers) == multi_gpu, handlers
+
+
+def test_a_training_workflow_reads_and_sets_the_properties(tmp_path):
+    """The synthetic bundle as MONAI FL drives a bundle: ``check_properties`` finds nothing missing, the properties
+    are the run's objects, and ``max_epochs`` set through its property is what the trainer runs, the learning-rate
+    schedule plans and the checks see (the config's own ``max_epochs`` stays 2)."""
+    small_dataset(tmp_path)
+    config, meta = _files("synthetic_lesion")
+    workflow = ConfigWorkflow(
+        config_file=config, meta_file=meta, logging_file=False, workflow_type="train",
+        dataset_dir=str(tmp_path / "data"), output_dir=str(tmp_path / "run"), patch_size=[24, 24, 24], plots=False,
+        max_epochs=2, epoch_length=1, num_workers=0,
+    )  # fmt: skip
+    workflow.initialize()
+    assert workflow.check_properties() == []
+    assert workflow.max_epochs == 2 and workflow.bundle_root == "."
+    assert workflow.trainer is workflow.parser.get_parsed_content("trainer")
+    assert workflow.train_dataset is workflow.parser.get_parsed_content("train_dataset")
+    workflow.max_epochs = 1
+    workflow.initialize()
+    assert workflow.parser.get_parsed_content("max_epochs") == 2
+    assert workflow.parser.get_parsed_content("lr_scheduler").total_iters == 1
+    workflow.run()
+    assert workflow.trainer.state.epoch == workflow.trainer.state.max_epochs == 1
+    saved = torch.load(tmp_path / "run" / "resume.pt", weights_only=False)  # the checkpoint of the run as trained
+    assert saved["trainer"]["max_epochs"] == 1
+
+
+def test_bundle_root_is_where_data_and_runs_start():
+    """MONAI's ``bundle_root`` property moves the default data and output folders; the default (".") gives the
+    paths the README's commands use from the repository root."""
+    for bundle, data, run in [("synthetic_lesion", "data/synthetic_lesion", "runs/synthetic_lesion"),
+                              ("kits19_tumor", "data/kits19_tumor", "runs/kits19_tumor/unet3d_")]:  # fmt: skip
+        parser = bundle_parser(bundle)
+        assert parser.get_parsed_content("dataset_dir") == data
+        assert parser.get_parsed_content("output_dir").startswith(run)
+        moved = bundle_parser(bundle, bundle_root="/elsewhere")
+        assert moved.get_parsed_content("dataset_dir") == f"/elsewhere/{data}"
+        assert moved.get_parsed_content("output_dir").startswith(f"/elsewhere/{run}")

@@ -25,11 +25,10 @@ import pytest
 from monai.bundle import ConfigParser
 
 from fake_raw import TASK_NAMES
-from helpers import env_without_gpus
+from helpers import BUNDLES, bundle_parser, env_without_gpus
 from jcsaug.networks import get_network, list_networks
 from jcsaug.tasks import get_task
 
-BUNDLES = Path(__file__).resolve().parents[1] / "bundles"
 COMMON = BUNDLES / "_common" / "configs"
 SHARED_FILES = ("train.yaml", "evaluate.yaml", "inference.yaml", "multi_gpu_train.yaml", "logging.conf")
 
@@ -126,15 +125,6 @@ FACT_IDS = ("task", "num_classes", "spacing", "max_epochs", "train_on_val", "val
             "train_loss", "tea_z", "tra_preset")  # fmt: skip
 
 
-def _parser(task: str, *extra: str, **overrides) -> ConfigParser:
-    folder = BUNDLES / task / "configs"
-    parser = ConfigParser()
-    parser.read_config([str(folder / "train.yaml"), *(str(folder / e) for e in extra)])
-    parser.read_meta(str(folder / "metadata.json"))
-    parser.update(overrides)
-    return parser
-
-
 @pytest.mark.parametrize("task", TASK_NAMES)
 def test_every_merged_config_parses_with_the_task_facts(task):
     """Classes, spacing, the paper's L_val/beta, patch sizes, epochs and the train + validation default come from
@@ -142,7 +132,7 @@ def test_every_merged_config_parses_with_the_task_facts(task):
     spec = get_task(task)
     for extra in ((), ("evaluate.yaml",), ("inference.yaml",), ("multi_gpu_train.yaml",)):
         for network in list_networks():
-            parser = _parser(task, *extra, network=network)
+            parser = bundle_parser(task, *extra, network=network)
             parser.parse()
             net = get_network(network)
             facts = {k: parser.get_parsed_content(k) for k in FACT_IDS}
@@ -169,7 +159,7 @@ def test_patch_centres_fall_on_classes_as_the_reference_samples_them(task):
     classes = get_task(task).num_classes
     assert set(REFERENCE_BACKGROUND_SHARE) == set(list_networks())
     for network, background in REFERENCE_BACKGROUND_SHARE.items():
-        parser = _parser(task, network=network)
+        parser = bundle_parser(task, network=network)
         for crop_id in ("random_crop", "val_random_crop"):
             (crop,) = [f"{crop_id}#{i}" + ("#crop" if "crop" in t else "") for i, t in enumerate(parser[crop_id])
                        if (t.get("crop") or t)["_target_"] == "RandCropByLabelClassesd"]  # fmt: skip
@@ -194,7 +184,7 @@ def test_every_bundle_evaluates_with_its_reported_classes():
     metrics.json has e.g. the KiTS tumour Dice; the synthetic bundle, which shares evaluate.yaml, has none."""
     for task in TASK_NAMES:
         for extra in ((), ("evaluate.yaml",)):
-            parser = _parser(task, *extra)
+            parser = bundle_parser(task, *extra)
             assert "report_classes=@report_classes" in parser["evaluate"], (task, extra)
             assert parser.get_parsed_content("report_classes") == get_task(task).report_classes
     assert dict(get_task("kits19_tumor").report_classes) == {"tumour": (2,)}
@@ -222,19 +212,19 @@ def test_keep_largest_component_task_takes_the_tasks_classes_in_every_merged_con
     inference.yaml post-process the same classes (``largest_component_classes``); false by default (the paper)."""
     for task in TASK_NAMES:
         for extra, target in (((), "evaluate"), (("evaluate.yaml",), "evaluate"), (("inference.yaml",), "predict")):
-            parser = _parser(task, *extra, keep_largest_component="task")
+            parser = bundle_parser(task, *extra, keep_largest_component="task")
             assert "keep_largest_component=@largest_component_classes" in parser[target], (task, extra)
             classes = parser.get_parsed_content("largest_component_classes")
             assert classes == get_task(task).single_component_classes, (task, extra)
-    kits = [_parser("kits19_tumor", "evaluate.yaml", keep_largest_component=value).get_parsed_content(
+    kits = [bundle_parser("kits19_tumor", "evaluate.yaml", keep_largest_component=value).get_parsed_content(
         "largest_component_classes") for value in (False, True, "true", [2], "[2]")]  # fmt: skip
     assert kits == [(), (1, 2), (1, 2), (2,), (2,)]
-    assert _parser("kits19_tumor").get_parsed_content("keep_largest_component") is False
+    assert bundle_parser("kits19_tumor").get_parsed_content("keep_largest_component") is False
 
 
 def test_paper_bundles_learn_with_the_paired_estimators_and_the_papers_budgets():
     """Issue 10: the estimators the synthetic benchmark chose, with the paper's beta and gamma (no logit budget)."""
-    parser = _parser("kits19_tumor", network="deepmedic")
+    parser = bundle_parser("kits19_tumor", network="deepmedic")
     parser.parse()
     setup = parser.get_parsed_content("augmentation")
     assert (setup.tra_estimator, setup.tea_estimator, setup.counterfactuals) == ("paired", "paired", 2)
@@ -247,8 +237,8 @@ def test_paper_bundles_learn_with_the_paired_estimators_and_the_papers_budgets()
 def test_paper_bundles_score_the_teas_copies_on_the_voxels_in_view(task):
     """The reference masks what a TEA op moved out of the patch: the dataset bundles do by default (the TEA scores
     training-size patches there); ``--tea_mask_out_of_view false`` scores every voxel."""
-    assert _parser(task).get_parsed_content("augmentation").tea_mask_out_of_view is True
-    off = _parser(task, tea_mask_out_of_view="false").get_parsed_content("augmentation")  # as fire passes it
+    assert bundle_parser(task).get_parsed_content("augmentation").tea_mask_out_of_view is True
+    off = bundle_parser(task, tea_mask_out_of_view="false").get_parsed_content("augmentation")  # as fire passes it
     assert off.tea_mask_out_of_view is False
 
 
@@ -263,7 +253,7 @@ def test_no_config_or_module_asks_which_network_it_has():
 def test_cardiac_crosssequence_keeps_its_slices_and_plans_networks_for_10_mm():
     spec = get_task("cardiac_crosssequence")
     assert spec.spacing == (1.25, 1.25, 0.0) and spec.planning_spacing == (1.25, 1.25, 10.0)
-    assert _parser("cardiac_crosssequence").get_parsed_content("spacing") == (1.25, 1.25, 10.0)
+    assert bundle_parser("cardiac_crosssequence").get_parsed_content("spacing") == (1.25, 1.25, 10.0)
 
 
 # ------------------------------------------------------------------------------------------ tiny trainings
@@ -335,7 +325,7 @@ def test_multi_gpu_config_learns_under_torchrun(tmp_path, prepared):
 def test_checkpoints_hold_the_updaters_whatever_the_handler_order(prepared, tmp_path):
     """The updaters and their checkpoint items are built in one step: resolving the checkpoint dict before the
     handlers, or attaching the handlers in reverse order, gives the same checkpoint contents."""
-    parser = _parser("kits19_tumor", dataset_dir=str(prepared["kits19_tumor"][1]), output_dir=str(tmp_path),
+    parser = bundle_parser("kits19_tumor", dataset_dir=str(prepared["kits19_tumor"][1]), output_dir=str(tmp_path),
                      patch_size=[16, 16, 16], network_kwargs={"base_filters": 4}, num_workers=0)  # fmt: skip
     parser["train_handlers"] = list(reversed(parser["train_handlers"]))
     checkpoint = parser.get_parsed_content("checkpoint_dict")  # before the handlers and updaters are used
@@ -350,7 +340,7 @@ def test_deepmedic_patches_are_centred_inside_the_volume_and_labels_stay_classes
     again in the cropped label the loss sees."""
     import numpy as np
 
-    parser = _parser("kits19_tumor", dataset_dir=str(prepared["kits19_tumor"][1]), network="deepmedic",
+    parser = bundle_parser("kits19_tumor", dataset_dir=str(prepared["kits19_tumor"][1]), network="deepmedic",
                      network_kwargs={"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]})  # fmt: skip
     files = parser.get_parsed_content("train_files")
     prefix = parser.get_parsed_content("load_transforms") + parser.get_parsed_content("patch_sampling")
@@ -381,7 +371,7 @@ def test_kits_background_centres_are_drawn_inside_the_body_roi(prepared, network
     }
     centres_in_air = {}
     for threshold in ("$@task_spec.roi_threshold", None):
-        parser = _parser("kits19_tumor", **kw, roi_threshold=threshold)
+        parser = bundle_parser("kits19_tumor", **kw, roi_threshold=threshold)
         entry = dict(parser.get_parsed_content("train_files")[0])
         prefix = parser.get_parsed_content("load_transforms")
         loaded = entry
@@ -412,7 +402,7 @@ def test_training_patches_carry_the_tra_context_until_the_cascade_returns_the_pa
 
     kw = {"dataset_dir": str(prepared["kits19_tumor"][1]), "network": "deepmedic", "augment_on": augment_on,
           "network_kwargs": {"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]}}  # fmt: skip
-    parser = _parser("kits19_tumor", **kw)
+    parser = bundle_parser("kits19_tumor", **kw)
     input_size, output_size = (tuple(s) for s in parser.get_parsed_content("patch_sizes"))
     context = parser.get_parsed_content("context")
     assert context == tra_context(input_size) and min(context) > 0
@@ -428,7 +418,7 @@ def test_training_patches_carry_the_tra_context_until_the_cascade_returns_the_pa
         batch = parser.get_parsed_content("device_augmentation").transform(list_data_collate(samples))
         assert tuple(batch["image"].shape[2:]) == input_size and tuple(batch["label"].shape[2:]) == output_size
         assert set(np.unique(np.asarray(batch["label"])).tolist()) <= {0, 1, 2}
-    plain = _parser("kits19_tumor", **kw, tra_context=0)
+    plain = bundle_parser("kits19_tumor", **kw, tra_context=0)
     assert plain.get_parsed_content("context") == (0, 0, 0)
     for sample in plain.get_parsed_content("train_dataset")[0]:
         assert tuple(sample["image"].shape[1:]) == input_size and tuple(sample["label"].shape[1:]) == output_size
