@@ -142,16 +142,26 @@ def test_training_properties_are_at_monais_ids(bundle, multi_gpu):
     assert ("dist.get_rank()" in handlers) == multi_gpu, handlers
 
 
+#: experiment tracking as MONAI's ``--tracking`` patches a bundle (its ``mlflow`` settings, with a handler that needs
+#: no MLflow): a handler for ``train#trainer`` put into ``train#handlers``
+TRACKING = {
+    "handlers_id": {"trainer": {"id": "train#trainer", "handlers": "train#handlers"}},
+    "configs": {"save_execute_config": False,
+                "trainer": {"_target_": "ignite.handlers.EpochOutputStore", "output_transform": "$lambda out: 1"}},
+}  # fmt: skip
+
+
 def test_a_training_workflow_reads_and_sets_the_properties(tmp_path):
     """The synthetic bundle as MONAI FL drives a bundle: ``check_properties`` finds nothing missing, the properties
     are the run's objects, and ``max_epochs`` set through its property is what the trainer runs, the learning-rate
-    schedule plans and the checks see (the config's own ``max_epochs`` stays 2)."""
+    schedule plans and the checks see (the config's own ``max_epochs`` stays 2); MONAI's experiment tracking adds its
+    handler to the trainer's."""
     small_dataset(tmp_path)
     config, meta = _files("synthetic_lesion")
     workflow = ConfigWorkflow(
         config_file=config, meta_file=meta, logging_file=False, workflow_type="train",
         dataset_dir=str(tmp_path / "data"), output_dir=str(tmp_path / "run"), patch_size=[24, 24, 24], plots=False,
-        max_epochs=2, epoch_length=1, num_workers=0,
+        max_epochs=2, epoch_length=1, num_workers=0, tracking=TRACKING,
     )  # fmt: skip
     workflow.initialize()
     assert workflow.check_properties() == []
@@ -166,6 +176,10 @@ def test_a_training_workflow_reads_and_sets_the_properties(tmp_path):
     assert workflow.trainer.state.epoch == workflow.trainer.state.max_epochs == 1
     saved = torch.load(tmp_path / "run" / "resume.pt", weights_only=False)  # the checkpoint of the run as trained
     assert saved["trainer"]["max_epochs"] == 1
+    # the tracking handler was added to the trainer's own handlers, not put in their place
+    (store,) = workflow.parser.get_parsed_content("train#handlers")
+    assert store.data == [1]  # the last epoch's one iteration
+    assert (tmp_path / "run" / "policies.json").is_file()
 
 
 def test_bundle_root_is_where_data_and_runs_start():

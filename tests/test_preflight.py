@@ -381,6 +381,22 @@ def test_override_ids_of_merged_configs_and_args_file(tmp_path):
         check_override_ids([BUNDLE_MAIN, "run", "--args_file", str(args)])
 
 
+def test_override_ids_that_monais_tracking_adds_are_known_with_it(tmp_path):
+    """``--tracking mlflow`` adds ``tracking_uri``, ``experiment_name``, ... to the config when missing, so they may be
+    given with it (MONAI keeps a given value); without ``--tracking`` they are not ids; a settings file adds its own."""
+    check_override_ids(_argv("--tracking", "mlflow", "--tracking_uri", "file:///tmp/mlruns", "--run_name", "a"))
+    check_override_ids(_argv("--tracking=mlflow", "--experiment_name", "jcsaug"))
+    with pytest.raises(PreflightError, match="--tracking_uri"):
+        check_override_ids(_argv("--tracking_uri", "file:///tmp/mlruns"))
+    with pytest.raises(PreflightError, match=r"--tracking_urx \(did you mean --tracking_uri"):
+        check_override_ids(_argv("--tracking", "mlflow", "--tracking_urx", "file:///tmp/mlruns"))
+    settings = tmp_path / "tracking.json"
+    settings.write_text(json.dumps({"handlers_id": {}, "configs": {"my_tracking_folder": "runs/tracking"}}))
+    check_override_ids(_argv("--tracking", str(settings), "--my_tracking_folder", "elsewhere"))
+    with pytest.raises(PreflightError, match="--tracking_uri"):
+        check_override_ids(_argv("--tracking", str(settings), "--tracking_uri", "x"))
+
+
 def test_under_the_bundle_command_line_a_failed_check_exits_with_its_message(monkeypatch):
     monkeypatch.setattr(sys, "argv", _argv("--tea_z", "100"))
     with pytest.raises(SystemExit, match=r"^error: bad settings:\n  --tea_z 100: must be an integer in 1\.\.84"):

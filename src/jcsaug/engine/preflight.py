@@ -542,8 +542,9 @@ def check_settings(argv: Sequence[str] | None = None, **settings: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- override ids
-def _command_line_ids(argv: Sequence[str]) -> tuple[list[str], list[str]] | None:
-    """``(ids given as --id, config files)`` of a ``monai.bundle run`` command line, else ``None``."""
+def _command_line_ids(argv: Sequence[str]) -> tuple[list[str], list[str], Any] | None:
+    """``(ids given as --id, config files, the --tracking value)`` of a ``monai.bundle run`` command line, else
+    ``None``."""
     if len(argv) < 2 or not Path(argv[0]).parent.match("monai/bundle") or argv[1] not in ("run", "run_workflow"):
         return None
     ids, values = [], {}
@@ -563,26 +564,45 @@ def _command_line_ids(argv: Sequence[str]) -> tuple[list[str], list[str]] | None
     if isinstance(config, str) and config.strip().startswith("["):
         config = ast.literal_eval(config.strip())
     files = [config] if isinstance(config, str) else list(config)
-    return ids, [str(f) for f in files if f]
+    tracking = values.get("tracking") or (extra.get("tracking") if args_file else None)
+    return ids, [str(f) for f in files if f], tracking
+
+
+def _tracking_ids(tracking: Any) -> set[str]:
+    """The ids MONAI's experiment tracking (``--tracking mlflow``, or a settings file or mapping) adds to the config
+    when missing, as ``ConfigWorkflow.patch_bundle_tracking`` does: the command line may set them
+    (``--tracking_uri``, ``--experiment_name``, ``--run_name``, ...)."""
+    if not tracking:
+        return set()
+    from monai.bundle import ConfigParser
+    from monai.bundle.utils import DEFAULT_EXP_MGMT_SETTINGS
+
+    if isinstance(tracking, str) and tracking in DEFAULT_EXP_MGMT_SETTINGS:
+        settings = DEFAULT_EXP_MGMT_SETTINGS[tracking]
+    elif isinstance(tracking, dict):
+        settings = tracking
+    else:  # a settings file, read as MONAI reads it (it has read it already: a missing one failed before this)
+        settings = ConfigParser.load_config_files(tracking)
+    return set(settings.get("configs", {})) - set(settings.get("handlers_id", {}))
 
 
 def check_override_ids(argv: Sequence[str] | None = None) -> None:
     """Refuse override ids that the bundle does not have (``--max_epoch 3`` would silently add a new id).
 
     Compares the ``--id`` of a ``python -m monai.bundle run`` command line (and of its ``--args_file``) with the
-    top-level ids of its config files (a ``#`` path is checked by its first part). Anything else (a Python caller,
-    ``torchrun``-less tests) is not checked.
+    top-level ids of its config files (a ``#`` path is checked by its first part) and, with ``--tracking``, the ids
+    that MONAI's tracking settings add. Anything else (a Python caller, ``torchrun``-less tests) is not checked.
     """
     found = _command_line_ids(list(sys.argv if argv is None else argv))
     if found is None:
         return
-    ids, files = found
+    ids, files, tracking = found
     if not files:
         return
     from monai.bundle import ConfigParser
 
     config = ConfigParser.load_config_files(files)
-    known = set(config) | _RUN_ARGUMENTS
+    known = set(config) | _RUN_ARGUMENTS | _tracking_ids(tracking)
     unknown = sorted({i for i in ids if _base_id(i) not in known})
     if unknown:
         lines = []
