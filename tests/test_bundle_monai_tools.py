@@ -154,8 +154,8 @@ TRACKING = {
 def test_a_training_workflow_reads_and_sets_the_properties(tmp_path):
     """The synthetic bundle as MONAI FL drives a bundle: ``check_properties`` finds nothing missing, the properties
     are the run's objects, and ``max_epochs`` set through its property is what the trainer runs, the learning-rate
-    schedule plans and the checks see (the config's own ``max_epochs`` stays 2); MONAI's experiment tracking adds its
-    handler to the trainer's."""
+    schedule plans and the checkpoint records (the config's own ``max_epochs`` stays 2); MONAI's experiment
+    tracking adds its handler to the trainer's."""
     small_dataset(tmp_path)
     config, meta = _files("synthetic_lesion")
     workflow = ConfigWorkflow(

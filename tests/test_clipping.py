@@ -8,9 +8,9 @@ from ignite.engine import Engine
 from monai.bundle import ConfigParser
 from monai.engines import SupervisedTrainer
 
+from helpers import bundle_parser
 from jcsaug.engine import GradientClipping
 from jcsaug.networks import get_network, list_networks
-from test_task_bundles import _parser
 
 
 def _one_step(max_norm: float | None) -> tuple[float, float, Engine]:
@@ -51,7 +51,7 @@ def test_the_dataset_bundles_clip_the_u_nets_at_12_and_not_deepmedic(network):
     """The reference's U-Net step clips the gradient norm at 12 (nnU-Net's); its DeepMedic step does not."""
     expected = None if network == "deepmedic" else 12.0
     assert get_network(network).grad_clip_norm == expected
-    parser: ConfigParser = _parser("kits19_tumor", network=network)
+    parser: ConfigParser = bundle_parser("kits19_tumor", network=network)
     handlers = parser["train_handlers"]
     (index,) = [i for i, h in enumerate(handlers) if isinstance(h, dict) and h["_target_"].endswith("GradientClipping")]
     assert parser.get_parsed_content(f"train_handlers#{index}").max_norm == expected
@@ -68,4 +68,4 @@ def test_the_dataset_bundles_tra_meta_mode_reaches_the_tra_updater(meta_mode):
         net, torch.optim.SGD(net.parameters(), lr=0.1), [], tra_meta_mode=meta_mode
     )
     assert updaters.tra.meta_mode == meta_mode
-    assert "tra_meta_mode=@tra_meta_mode" in "".join(_parser("kits19_tumor")["policy_updaters"].split())
+    assert "tra_meta_mode=@tra_meta_mode" in "".join(bundle_parser("kits19_tumor")["policy_updaters"].split())

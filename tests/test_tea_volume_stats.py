@@ -10,7 +10,7 @@ from ignite.engine import Engine
 from monai.data import DataLoader, Dataset
 from monai.transforms import RandCropByPosNegLabeld
 
-from helpers import small_dataset
+from helpers import bundle_parser, small_dataset
 from jcsaug.data import VolumeStatsd, batch_volume_stats
 from jcsaug.engine import TEAPolicyUpdater
 from jcsaug.engine import tea_updater as tea_updater_module
@@ -19,7 +19,6 @@ from jcsaug.ops import intensity
 from jcsaug.ops.tea import apply_tea_ops, get_tea_op
 from jcsaug.policy import CategoricalPolicy, make_tea_policy
 from test_bundle_hardening import _workflow
-from test_task_bundles import _parser
 
 RANGE_OPS = ["gamma_expand_0.5", "gamma_compress_0.5", "inverted_gamma_expand_0.3", "inverted_gamma_compress_0.5"]
 PATCH = (slice(None), slice(4, 14), slice(6, 16), slice(2, 12))  # a corner-ish [1, 10, 10, 10] patch of the volume
@@ -256,12 +255,12 @@ def test_the_dataset_bundles_give_the_tea_its_volumes_stats_by_default(prepared,
     """The dataset bundles (their TEA scores training-size patches) record the volume statistics before the padding
     and the crop; ``--tea_volume_stats false`` records none."""
     data = str(prepared["kits19_tumor"][1])
-    on = _parser("kits19_tumor", dataset_dir=data, output_dir=str(tmp_path / "a"))
+    on = bundle_parser("kits19_tumor", dataset_dir=data, output_dir=str(tmp_path / "a"))
     assert on["tea_volume_stats"] is True
     names = [type(t).__name__ for t in on.get_parsed_content("val_transforms").transforms]
     assert names.index("VolumeStatsd") < names.index("BorderPadd")
     loader = on.get_parsed_content("val_loader")
     stats = batch_volume_stats(next(iter(loader)))
     assert stats is not None and len(stats["min"]) == loader.batch_size * on.get_parsed_content("val_samples_per_case")
-    off = _parser("kits19_tumor", dataset_dir=data, output_dir=str(tmp_path / "b"), tea_volume_stats="false")
+    off = bundle_parser("kits19_tumor", dataset_dir=data, output_dir=str(tmp_path / "b"), tea_volume_stats="false")
     assert batch_volume_stats(next(iter(off.get_parsed_content("val_loader")))) is None
