@@ -9,7 +9,7 @@
   README's ``--use_trace``) for a dataset bundle's DeepMedic at the size its whole-volume inferer feeds it;
 * every ``train.yaml`` has MONAI's training-workflow properties at MONAI's ids (``train#trainer``, ...), and a
   ``ConfigWorkflow(workflow_type="train")`` (what MONAI FL builds) reads and sets them: ``max_epochs`` set through
-  the property is what the run trains, schedules and checks.
+  the property is what the run trains, schedules and records.
 """
 
 from __future__ import annotations
