@@ -19,12 +19,11 @@ from monai.engines import SupervisedTrainer
 from monai.losses import DiceCELoss
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import env_without_gpus, lesion_batch, tiny_unet
+from helpers import CONFIGS, env_without_gpus, lesion_batch, tiny_unet
 from jcsaug.data import make_synthetic_dataset
 from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater, shutdown_distributed
 from jcsaug.policy import make_tea_policy, make_tra_policy
 
-CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs"
 ITERATIONS = 4
 
 

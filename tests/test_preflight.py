@@ -16,6 +16,7 @@ import torch
 from ignite.engine import Engine
 from monai.networks.nets import UNet
 
+from helpers import CONFIGS
 from jcsaug.engine import (
     PreflightError,
     ResumeCheckpoint,
@@ -29,7 +30,6 @@ from jcsaug.engine import (
 )
 from jcsaug.networks import get_network, make_network
 
-CONFIGS = Path(__file__).resolve().parents[1] / "bundles" / "synthetic_lesion" / "configs"
 BUNDLE_MAIN = str(Path(sys.modules["monai"].__file__).parent / "bundle" / "__main__.py")
 
 

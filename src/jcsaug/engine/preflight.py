@@ -553,7 +553,7 @@ def _command_line_ids(argv: Sequence[str]) -> tuple[list[str], list[str], Any] |
             key, eq, value = token[2:].partition("=")
             ids.append(key)
             values[key] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-    config = values.get("config_file", "")
+    config, tracking = values.get("config_file", ""), values.get("tracking")
     args_file = values.get("args_file")
     if args_file:
         from monai.bundle import ConfigParser
@@ -561,10 +561,10 @@ def _command_line_ids(argv: Sequence[str]) -> tuple[list[str], list[str], Any] |
         extra = ConfigParser.load_config_file(args_file)
         ids += list(extra)
         config = config or extra.get("config_file", "")
+        tracking = tracking or extra.get("tracking")
     if isinstance(config, str) and config.strip().startswith("["):
         config = ast.literal_eval(config.strip())
     files = [config] if isinstance(config, str) else list(config)
-    tracking = values.get("tracking") or (extra.get("tracking") if args_file else None)
     return ids, [str(f) for f in files if f], tracking
 
 
