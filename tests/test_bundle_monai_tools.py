@@ -9,7 +9,10 @@
   README's ``--use_trace``) for a dataset bundle's DeepMedic at the size its whole-volume inferer feeds it;
 * every ``train.yaml`` has MONAI's training-workflow properties at MONAI's ids (``train#trainer``, ...), and a
   ``ConfigWorkflow(workflow_type="train")`` (what MONAI FL builds) reads and sets them: ``max_epochs`` set through
-  the property is what the run trains, schedules and records.
+  the property is what the run trains, schedules and records;
+* every ``inference.yaml`` (merged on its ``train.yaml``) has MONAI's inference-workflow properties, and a
+  ``ConfigWorkflow(workflow_type="infer")`` of the synthetic bundle runs its ``SupervisedEvaluator``, saving what the
+  network and the inferer predict on each test volume's own grid.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import nibabel as nib
+import numpy as np
 import pytest
 import torch
 from monai.bundle import ConfigParser, ConfigWorkflow, ckpt_export, verify_net_in_out
-from monai.bundle.properties import TrainProperties
+from monai.bundle.properties import InferProperties, TrainProperties
+from monai.engines import SupervisedEvaluator
 from monai.utils import BundleProperty, BundlePropertyConfig
 
 from fake_raw import TASK_NAMES
@@ -35,6 +41,11 @@ SMALL_DEEPMEDIC = {"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]}
 def _files(bundle: str) -> tuple[str, str]:
     folder = BUNDLES / bundle / "configs"
     return str(folder / "train.yaml"), str(folder / "metadata.json")
+
+
+def _inference_files(bundle: str) -> tuple[list[str], str]:
+    config, meta = _files(bundle)
+    return [config, str(Path(config).with_name("inference.yaml"))], meta
 
 
 def _sizes(bundle: str, **overrides) -> tuple[list[int], list[int]]:
@@ -193,3 +204,49 @@ def test_bundle_root_is_where_data_and_runs_start():
         moved = bundle_parser(bundle, bundle_root="/elsewhere")
         assert moved.get_parsed_content("dataset_dir") == f"/elsewhere/{data}"
         assert moved.get_parsed_content("output_dir").startswith(f"/elsewhere/{run}")
+
+
+@pytest.mark.parametrize("bundle", ALL_BUNDLES)
+def test_inference_properties_are_at_monais_ids(bundle):
+    """``inference.yaml`` on its ``train.yaml``: each required inference property's id is in the config and each
+    optional one is referred to where MONAI looks for it (``dataset#transform`` is ``@preprocessing``, ...)."""
+    files, meta = _inference_files(bundle)
+    workflow = ConfigWorkflow(config_file=files, meta_file=meta, logging_file=False, workflow_type="infer")
+    required = [p[BundlePropertyConfig.ID] for p in InferProperties.values() if p[BundleProperty.REQUIRED]]
+    assert [i for i in required if i not in workflow.parser] == []
+    assert all(workflow._check_optional_id(name, p) for name, p in workflow.properties.items())
+    assert workflow.parser["evaluator"]["_target_"] == "SupervisedEvaluator"
+    assert workflow.parser["evaluator#val_handlers"] == "@handlers"
+
+
+def test_an_inference_workflow_saves_what_the_network_predicts(tmp_path):
+    """The synthetic bundle's inference as MONAI drives an inference bundle: ``check_properties`` finds nothing
+    missing, the properties are the run's objects, and ``run`` loads the run's checkpoint and saves, per test volume,
+    the argmax of the inferer's prediction as uint8 on the volume's grid (its affine), under the volume's name."""
+    small_dataset(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    files, meta = _inference_files("synthetic_lesion")
+    network = _checkpoint(bundle_parser("synthetic_lesion"), run / "checkpoint_final_iteration=1.pt")
+    workflow = ConfigWorkflow(
+        config_file=files, meta_file=meta, logging_file=False, workflow_type="infer",
+        dataset_dir=str(tmp_path / "data"), output_dir=str(run), num_workers=0, tea_inference="heuristic",
+    )  # fmt: skip
+    workflow.initialize()
+    assert workflow.check_properties() == []
+    assert isinstance(workflow.evaluator, SupervisedEvaluator)
+    assert workflow.dataset is workflow.parser.get_parsed_content("dataset")
+    assert workflow.inferer is workflow.parser.get_parsed_content("inferer")
+    workflow.run()
+    cases = workflow.parser.get_parsed_content("test_files")
+    saved = sorted((run / "predictions").glob("*_seg.nii.gz"))
+    assert [p.name for p in saved] == sorted(Path(c["image"]).name.replace(".nii.gz", "_seg.nii.gz") for c in cases)
+    for case in cases:
+        image = nib.load(case["image"])
+        assert nib.aff2axcodes(image.affine) == ("R", "A", "S")  # read as stored: the network sees the array as is
+        with torch.no_grad():
+            logits = workflow.inferer(torch.as_tensor(image.get_fdata(), dtype=torch.float32)[None, None], network)
+        written = nib.load(run / "predictions" / Path(case["image"]).name.replace(".nii.gz", "_seg.nii.gz"))
+        assert written.get_data_dtype() == np.uint8
+        np.testing.assert_allclose(written.affine, image.affine, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(written.dataobj), logits.argmax(1)[0].numpy())

@@ -211,7 +211,11 @@ def test_keep_largest_component_task_takes_the_tasks_classes_in_every_merged_con
     """``--keep_largest_component task | true | "[2]"``: the evaluation after training, evaluate.yaml and
     inference.yaml post-process the same classes (``largest_component_classes``); false by default (the paper)."""
     for task in TASK_NAMES:
-        for extra, target in (((), "evaluate"), (("evaluate.yaml",), "evaluate"), (("inference.yaml",), "predict")):
+        for extra, target in (
+            ((), "evaluate"),
+            (("evaluate.yaml",), "evaluate"),
+            (("inference.yaml",), "postprocessing"),
+        ):
             parser = bundle_parser(task, *extra, keep_largest_component="task")
             assert "keep_largest_component=@largest_component_classes" in parser[target], (task, extra)
             classes = parser.get_parsed_content("largest_component_classes")

@@ -2,40 +2,24 @@
 
 from __future__ import annotations
 
-from collections import Counter
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-import nibabel as nib
-import numpy as np
 import torch
-from monai.data import MetaTensor
+from ignite.handlers import ProgressBar
 from monai.inferers import Inferer
-from monai.transforms import (
-    Compose,
-    EnsureChannelFirstd,
-    EnsureTyped,
-    LoadImaged,
-    Orientation,
-    Orientationd,
-    SaveImage,
-)
-from tqdm.auto import tqdm
 
-from jcsaug.data.roi import ROI_KEY, ThresholdROId, mask_outside_roi
-from jcsaug.evaluation.metrics import (
-    ComponentClasses,
-    component_classes,
-    largest_connected_component,
-    parse_component_classes,
+from jcsaug.evaluation.metrics import ComponentClasses
+from jcsaug.inference.pipeline import (
+    case_file_name,
+    check_prediction_cases,
+    prediction_evaluator,
+    prediction_postprocessing,
+    prediction_preprocessing,
 )
 
-#: the axis labels of ``Orientationd`` and ``nib.aff2axcodes`` (RAS+ world: the first label is the negative end)
-_AXIS_LABELS = (("L", "R"), ("P", "A"), ("I", "S"))
-
-
-def _case_name(entry: Mapping, image_key: str) -> str:
-    return Path(str(entry[image_key])).name.replace(".nii.gz", "").replace(".nii", "")
+logger = logging.getLogger("jcsaug.inference")
 
 
 def predict_cases(
@@ -50,14 +34,16 @@ def predict_cases(
     preprocess: Callable[[dict], dict] | None = None,
     keep_largest_component: ComponentClasses = False,
     roi_threshold: float | None = None,
+    num_workers: int = 0,
 ) -> list[Path]:
     """Segment every case (``{"image": path}``) and write ``<name>_seg.nii.gz`` files (uint8 class maps) to
-    ``output_dir``.
+    ``output_dir``; returns their paths.
 
-    Images are read in ``orientation`` (RAS, as in training; ``None`` keeps the stored axes) and passed through
-    ``preprocess`` (e.g. the dataset's intensity normalisation); the segmentation is turned back to the image's
-    stored axes before it is saved, so it has the input's shape and affine voxel for voxel.
-    ``keep_largest_component``: post-process as the evaluation does
+    A MONAI ``SupervisedEvaluator`` (:func:`~jcsaug.inference.pipeline.prediction_evaluator`) runs the cases, the
+    same parts the bundles' ``inference.yaml`` is made of. Images are read in ``orientation`` (RAS, as in training;
+    ``None`` keeps the stored axes) and passed through ``preprocess`` (e.g. the dataset's intensity normalisation);
+    the segmentation is turned back to the image's stored axes before it is saved, so it has the input's shape and
+    affine voxel for voxel. ``keep_largest_component``: post-process as the evaluation does
     (:func:`~jcsaug.evaluation.metrics.largest_connected_component`): False, True (every foreground class) or the
     foreground class ids to post-process, e.g. ``[1, 3]`` (:func:`~jcsaug.evaluation.metrics.component_classes`;
     its form is checked first, its classes against the network's on the first case, before anything is written).
@@ -66,44 +52,41 @@ def predict_cases(
     None: not masked. The network is moved to ``device`` and put in eval mode. Two inputs whose file names give the
     same output name are refused before anything is written.
     """
-    missing = [dict(entry) for entry in cases if image_key not in entry]
-    if missing:
-        raise KeyError(f"case {missing[0]} has no {image_key!r} entry")
-    clashes = sorted(name for name, n in Counter(_case_name(e, image_key) for e in cases).items() if n > 1)
-    if clashes:
-        raise ValueError(
-            f"several input images are named {clashes}: their segmentations would overwrite each other in "
-            f"{output_dir}; give the images distinct file names"
-        )
-    parse_component_classes(keep_largest_component)  # a bad form fails before any inference
-    steps = [LoadImaged(image_key, image_only=True), EnsureChannelFirstd(image_key)]
-    if orientation:
-        steps.append(Orientationd(image_key, axcodes=orientation, labels=_AXIS_LABELS))
-    steps.append(ThresholdROId(image_key, roi_threshold))  # a no-op without a threshold
-    if preprocess is not None:
-        steps.append(preprocess)
-    load = Compose([*steps, EnsureTyped(image_key, dtype=torch.float32)])
-    saver = SaveImage(
-        output_dir=str(output_dir), output_postfix="seg", separate_folder=False, resample=False, print_log=False,
-        output_dtype=np.uint8,
-    )  # fmt: skip
-    written = []
-    network.to(device).eval()  # a network built on the CPU (a bundle's network_def) follows its inputs to the GPU
-    with torch.no_grad():
-        for entry in tqdm(cases, desc="predict", disable=not progress):
-            data = load(dict(entry))
-            image = data[image_key]
-            logits = inferer(image.unsqueeze(0).to(device), network)
-            roi = data.get(ROI_KEY) if roi_threshold is not None else None
-            seg = mask_outside_roi(logits.argmax(1).to(torch.uint8).cpu(), roi)
-            classes = component_classes(keep_largest_component, logits.shape[1])
-            if classes:
-                seg = largest_connected_component(seg[0], logits.shape[1], classes=classes).to(torch.uint8)[None]
-            out = MetaTensor(seg, meta=dict(image.meta)) if isinstance(image, MetaTensor) else seg
-            if orientation and isinstance(image, MetaTensor) and "original_affine" in image.meta:
-                # back to the stored axes: the saved map has the input's shape and affine, not the RAS grid's
-                stored = "".join(nib.aff2axcodes(np.asarray(image.meta["original_affine"]), labels=_AXIS_LABELS))
-                out = Orientation(axcodes=stored, labels=_AXIS_LABELS)(out)
-            saver(out)
-            written.append(Path(output_dir) / f"{_case_name(entry, image_key)}_seg.nii.gz")
+    written = check_prediction_cases(cases, output_dir, image_key, keep_largest_component)
+    preprocessing = prediction_preprocessing(image_key, orientation, preprocess, roi_threshold)
+    postprocessing = prediction_postprocessing(
+        preprocessing, output_dir, image_key, keep_largest_component, roi_threshold
+    )
+    handlers = [ProgressBar(desc="predict", persist=True)] if progress else []
+    evaluator = prediction_evaluator(
+        network, cases, inferer, preprocessing, postprocessing, device, num_workers=num_workers, handlers=handlers
+    )
+    try:
+        evaluator.run()
+    except RuntimeError as error:
+        raise _cause(error) from None
     return written
+
+
+def _cause(error: RuntimeError) -> BaseException:
+    """The error a MONAI transform raised, out of the ``RuntimeError("applying transform ...")`` links MONAI's
+    ``apply_transform`` wraps it in (one per nested ``Compose``), so a bad case or setting reads as what it is."""
+    cause: BaseException = error
+    while isinstance(cause, RuntimeError) and str(cause).startswith("applying transform") and cause.__cause__:
+        cause = cause.__cause__
+    return cause
+
+
+def report_predictions(
+    cases: Sequence[Mapping], output_dir: str | Path, method: str | None = None, image_key: str = "image"
+) -> list[Path]:
+    """Log at INFO (logger ``jcsaug.inference``) how many of ``cases``' segmentations are in ``output_dir`` and
+    where, and return their paths; a missing one is an error naming it (the end of the bundles' inference run)."""
+    paths = [Path(output_dir) / f"{case_file_name(entry, image_key)}_seg.nii.gz" for entry in cases]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} of {len(paths)} segmentations were not written: {missing[:3]}")
+    how = f" (test-time method {method})" if method else ""
+    logger.info("predicted %d case%s%s: segmentations in %s", len(paths), "" if len(paths) == 1 else "s", how,
+                output_dir)  # fmt: skip
+    return paths

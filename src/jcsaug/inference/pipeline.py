@@ -1,0 +1,194 @@
+"""The pieces of whole-case prediction as MONAI parts: read a case, predict it with a (TTA) inferer in a MONAI
+``SupervisedEvaluator``, turn the logits into a class map and save it on the image's own grid.
+
+:func:`~jcsaug.inference.predict_cases` assembles them in Python; the bundles' ``inference.yaml`` assembles the same
+functions into MONAI's inference-workflow properties (``dataset``, ``preprocessing``, ``postprocessing``,
+``evaluator``, ``inferer``), so a ``ConfigWorkflow(workflow_type="infer")`` can drive it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from copy import deepcopy
+from pathlib import Path
+
+import numpy as np
+import torch
+from monai.config import KeysCollection
+from monai.data import DataLoader, Dataset, MetaTensor
+from monai.engines import SupervisedEvaluator
+from monai.inferers import Inferer
+from monai.transforms import (
+    Compose,
+    EnsureChannelFirstd,
+    EnsureTyped,
+    Invertd,
+    InvertibleTransform,
+    LoadImaged,
+    MapTransform,
+    Orientationd,
+    SaveImaged,
+)
+
+from jcsaug.data.roi import ROI_KEY, ThresholdROId, mask_outside_roi
+from jcsaug.evaluation.metrics import (
+    ComponentClasses,
+    component_classes,
+    largest_connected_component,
+    parse_component_classes,
+)
+
+#: the axis labels of ``Orientationd`` and ``nib.aff2axcodes`` (RAS+ world: the first label is the negative end)
+AXIS_LABELS = (("L", "R"), ("P", "A"), ("I", "S"))
+#: the key of the network's output in a MONAI engine's output (``monai.utils.CommonKeys.PRED``)
+PRED_KEY = "pred"
+
+
+def case_file_name(entry: Mapping, image_key: str = "image") -> str:
+    """The name a case's segmentation is saved under, less ``_seg.nii.gz``: its image's file name without the
+    NIfTI extension (what MONAI's ``SaveImaged`` derives from the image's ``filename_or_obj``)."""
+    return Path(str(entry[image_key])).name.replace(".nii.gz", "").replace(".nii", "")
+
+
+def check_prediction_cases(
+    cases: Sequence[Mapping], output_dir: str | Path, image_key: str = "image", keep_largest_component=False
+) -> list[Path]:
+    """The segmentation files ``cases`` will be saved as in ``output_dir``, after checking that every case has an
+    ``image_key`` entry, that no two give the same file name, and the form of ``keep_largest_component``; a bad one
+    is an error before anything is read or written."""
+    missing = [dict(entry) for entry in cases if image_key not in entry]
+    if missing:
+        raise KeyError(f"case {missing[0]} has no {image_key!r} entry")
+    clashes = sorted(name for name, n in Counter(case_file_name(e, image_key) for e in cases).items() if n > 1)
+    if clashes:
+        raise ValueError(
+            f"several input images are named {clashes}: their segmentations would overwrite each other in "
+            f"{output_dir}; give the images distinct file names"
+        )
+    parse_component_classes(keep_largest_component)
+    return [Path(output_dir) / f"{case_file_name(entry, image_key)}_seg.nii.gz" for entry in cases]
+
+
+class LogitsToSegmentationd(MapTransform):
+    """A network's ``[C, *spatial]`` logits under ``keys`` as a ``[1, *spatial]`` uint8 class map (argmax), on the
+    CPU, background outside the region of interest under ``roi_key`` (if the data has one), and the largest connected
+    component kept for the classes ``keep_largest_component`` names
+    (:func:`~jcsaug.evaluation.metrics.component_classes`: False, True, or class ids; checked against C on the first
+    case), as the evaluation post-processes them. The map is a MetaTensor with the metadata (file name, affine,
+    applied operations) of the image under ``meta_key``, so MONAI's ``Invertd`` and ``SaveImaged`` can follow: the
+    logits of a TTA or sliding-window inferer are plain tensors.
+
+    Args:
+        keys: the logits (a MONAI engine's ``"pred"``).
+        keep_largest_component: the classes post-processed to their largest component (False: none).
+        roi_key: where the ROI is (:class:`~jcsaug.data.ThresholdROId`); None: not masked.
+        meta_key: the image whose metadata the map takes (if it is a MetaTensor; else the logits', if they are one).
+        allow_missing_keys: skip absent logits.
+    """
+
+    def __init__(
+        self,
+        keys: KeysCollection = PRED_KEY,
+        keep_largest_component: ComponentClasses = False,
+        roi_key: str | None = ROI_KEY,
+        meta_key: str | None = "image",
+        allow_missing_keys: bool = False,
+    ) -> None:
+        super().__init__(keys, allow_missing_keys)
+        parse_component_classes(keep_largest_component)  # a bad form fails when the pipeline is built
+        self.keep_largest_component = keep_largest_component
+        self.roi_key = roi_key
+        self.meta_key = meta_key
+
+    def __call__(self, data: Mapping[Hashable, torch.Tensor]) -> dict:
+        d = dict(data)
+        roi = d.get(self.roi_key) if self.roi_key is not None else None
+        for key in self.key_iterator(d):
+            logits = d[key]
+            if logits.ndim < 2:
+                raise ValueError(f"{key!r} must be [C, *spatial] logits, got shape {tuple(logits.shape)}")
+            seg = mask_outside_roi(logits.argmax(0, keepdim=True).to(torch.uint8).cpu(), roi)
+            classes = component_classes(self.keep_largest_component, logits.shape[0])
+            if classes:
+                seg = largest_connected_component(seg[0], logits.shape[0], classes=classes).to(torch.uint8)[None]
+            image = d.get(self.meta_key) if self.meta_key is not None else None
+            d[key] = _with_meta_of(image if isinstance(image, MetaTensor) else logits, seg)
+        return d
+
+
+def _with_meta_of(reference: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` with ``reference``'s metadata if it is a MetaTensor (a copy of its meta and applied operations)."""
+    if isinstance(reference, MetaTensor):
+        return MetaTensor(
+            values, meta=deepcopy(reference.meta), applied_operations=deepcopy(reference.applied_operations)
+        )
+    return values
+
+
+def prediction_preprocessing(
+    image_key: str = "image",
+    orientation: str | None = "RAS",
+    preprocess: Callable[[dict], dict] | None = None,
+    roi_threshold: float | None = None,
+) -> Compose:
+    """How a case is read for prediction, as training reads it: load, channel first, ``orientation`` (None: the stored
+    axes), the region of interest (:class:`~jcsaug.data.ThresholdROId`, on the image as read: HU for CT; a no-op
+    without a threshold), ``preprocess`` (the dataset's intensity normalisation), float32."""
+    steps: list[Callable] = [LoadImaged(image_key, image_only=True), EnsureChannelFirstd(image_key)]
+    if orientation:
+        steps.append(Orientationd(image_key, axcodes=orientation, labels=AXIS_LABELS))
+    steps.append(ThresholdROId(image_key, roi_threshold))
+    if preprocess is not None:
+        steps.append(preprocess)
+    return Compose([*steps, EnsureTyped(image_key, dtype=torch.float32)])
+
+
+def prediction_postprocessing(
+    preprocessing: Compose,
+    output_dir: str | Path,
+    image_key: str = "image",
+    keep_largest_component: ComponentClasses = False,
+    roi_threshold: float | None = None,
+) -> Compose:
+    """What becomes of a case's logits: a uint8 class map (:class:`LogitsToSegmentationd`), turned back through the
+    invertible steps of ``preprocessing`` (MONAI's ``Invertd``: the reorientation, so the map has the input's shape,
+    affine and voxel order) and saved as ``output_dir/<name>_seg.nii.gz`` (MONAI's ``SaveImaged``)."""
+    steps: list[Callable] = [
+        LogitsToSegmentationd(
+            PRED_KEY, keep_largest_component, roi_key=ROI_KEY if roi_threshold is not None else None, meta_key=image_key
+        )
+    ]
+    if any(isinstance(t, InvertibleTransform) for t in preprocessing.flatten().transforms):
+        steps.append(Invertd(PRED_KEY, transform=preprocessing, orig_keys=image_key, nearest_interp=True, device="cpu"))
+    steps.append(
+        SaveImaged(
+            PRED_KEY,
+            output_dir=str(output_dir),
+            output_postfix="seg",
+            separate_folder=False,
+            resample=False,
+            output_dtype=np.uint8,
+            print_log=False,
+        )  # fmt: skip
+    )
+    return Compose(steps)
+
+
+def prediction_evaluator(
+    network: torch.nn.Module,
+    cases: Sequence[Mapping],
+    inferer: Inferer,
+    preprocessing: Compose,
+    postprocessing: Compose,
+    device: torch.device | str = "cpu",
+    num_workers: int = 0,
+    handlers: Sequence | None = None,
+) -> SupervisedEvaluator:
+    """A MONAI ``SupervisedEvaluator`` that predicts ``cases`` one at a time with ``inferer`` and applies
+    ``postprocessing`` to each; ``network`` is moved to ``device`` (the evaluator puts it in eval mode)."""
+    loader = DataLoader(Dataset(list(cases), transform=preprocessing), batch_size=1, num_workers=num_workers)
+    return SupervisedEvaluator(
+        device=torch.device(device), val_data_loader=loader, network=network.to(device), inferer=inferer,
+        postprocessing=postprocessing, val_handlers=list(handlers or []),
+    )  # fmt: skip
