@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -464,10 +465,35 @@ def test_saved_predictions_have_the_input_grid_uint8_and_optional_largest_compon
     other = tmp_path / "other" / "case.nii.gz"
     other.parent.mkdir()
     nib.save(nib.Nifti1Image(raw, affine), other)
-    with pytest.raises(ValueError, match=r"several input images are named \['case'\]"):
+    with pytest.raises(
+        ValueError, match=r"several input images would give the segmentation files \['case_seg.nii.gz'\]"
+    ):
         predict_cases(_Threshold(), [{"image": str(path)}, {"image": str(other)}], SimpleInferer(), tmp_path / "x",
                       progress=False)  # fmt: skip
     assert not (tmp_path / "x").exists()
+    # the paths returned are those MONAI's SaveImaged names: one extension less (two for .gz), dots kept
+    for name, expected in (("scan.nii", "scan_seg.nii.gz"), ("case.v2.nii.gz", "case.v2_seg.nii.gz")):
+        nib.save(nib.Nifti1Image(raw, affine), tmp_path / "in" / name)
+        (written,) = predict_cases(_Threshold(), [{"image": str(tmp_path / "in" / name)}], SimpleInferer(),
+                                   tmp_path / "names", progress=False)  # fmt: skip
+        assert written == tmp_path / "names" / expected and written.is_file()
+    from jcsaug.inference.pipeline import segmentation_path
+
+    assert segmentation_path({"image": "a/img.mha"}, "out") == Path("out/img_seg.nii.gz")  # any reader's format
+
+
+def test_report_predictions_names_where_the_segmentations_are_and_a_missing_one(tmp_path, caplog):
+    from jcsaug.inference import report_predictions
+
+    cases = [{"image": "in/a.nii.gz"}, {"image": "in/b.nii"}]
+    (tmp_path / "a_seg.nii.gz").touch()
+    with pytest.raises(FileNotFoundError, match=r"1 of 2 segmentations were not written: \['.*b_seg.nii.gz'\]"):
+        report_predictions(cases, tmp_path)
+    (tmp_path / "b_seg.nii.gz").touch()
+    with caplog.at_level("INFO", logger="jcsaug.inference"):
+        paths = report_predictions(cases, tmp_path, "learned")
+    assert paths == [tmp_path / "a_seg.nii.gz", tmp_path / "b_seg.nii.gz"]
+    assert f"predicted 2 cases (test-time method learned): segmentations in {tmp_path}" in caplog.text
 
 
 def test_saved_predictions_keep_the_largest_component_of_the_chosen_classes(tmp_path):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from monai.config import KeysCollection
 from monai.data import DataLoader, Dataset, MetaTensor
+from monai.data.utils import create_file_basename
 from monai.engines import SupervisedEvaluator
 from monai.inferers import Inferer
 from monai.transforms import (
@@ -43,12 +44,18 @@ from jcsaug.evaluation.metrics import (
 AXIS_LABELS = (("L", "R"), ("P", "A"), ("I", "S"))
 #: the key of the network's output in a MONAI engine's output (``monai.utils.CommonKeys.PRED``)
 PRED_KEY = "pred"
+#: the postfix and extension of a saved segmentation: ``<image name>_seg.nii.gz``
+SEG_POSTFIX, SEG_EXTENSION = "seg", ".nii.gz"
 
 
-def case_file_name(entry: Mapping, image_key: str = "image") -> str:
-    """The name a case's segmentation is saved under, less ``_seg.nii.gz``: its image's file name without the
-    NIfTI extension (what MONAI's ``SaveImaged`` derives from the image's ``filename_or_obj``)."""
-    return Path(str(entry[image_key])).name.replace(".nii.gz", "").replace(".nii", "")
+def segmentation_path(entry: Mapping, output_dir: str | Path, image_key: str = "image") -> Path:
+    """Where :func:`prediction_postprocessing` saves the segmentation of ``entry`` (``{image_key: path}``) in
+    ``output_dir``: ``<name>_seg.nii.gz``, ``<name>`` the image's file name less its extension, as MONAI's
+    ``SaveImaged`` names it (``monai.data.utils.create_file_basename``)."""
+    name = create_file_basename(
+        SEG_POSTFIX, str(entry[image_key]), str(output_dir), separate_folder=False, makedirs=False
+    )
+    return Path(name + SEG_EXTENSION)
 
 
 def check_prediction_cases(
@@ -60,14 +67,15 @@ def check_prediction_cases(
     missing = [dict(entry) for entry in cases if image_key not in entry]
     if missing:
         raise KeyError(f"case {missing[0]} has no {image_key!r} entry")
-    clashes = sorted(name for name, n in Counter(case_file_name(e, image_key) for e in cases).items() if n > 1)
+    paths = [segmentation_path(entry, output_dir, image_key) for entry in cases]
+    clashes = sorted(path.name for path, n in Counter(paths).items() if n > 1)
     if clashes:
         raise ValueError(
-            f"several input images are named {clashes}: their segmentations would overwrite each other in "
+            f"several input images would give the segmentation files {clashes}: they would overwrite each other in "
             f"{output_dir}; give the images distinct file names"
         )
     parse_component_classes(keep_largest_component)
-    return [Path(output_dir) / f"{case_file_name(entry, image_key)}_seg.nii.gz" for entry in cases]
+    return paths
 
 
 class LogitsToSegmentationd(MapTransform):
@@ -165,12 +173,13 @@ def prediction_postprocessing(
         SaveImaged(
             PRED_KEY,
             output_dir=str(output_dir),
-            output_postfix="seg",
+            output_postfix=SEG_POSTFIX,
+            output_ext=SEG_EXTENSION,
             separate_folder=False,
             resample=False,
             output_dtype=np.uint8,
             print_log=False,
-        )  # fmt: skip
+        )
     )
     return Compose(steps)
 

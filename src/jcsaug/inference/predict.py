@@ -12,11 +12,11 @@ from monai.inferers import Inferer
 
 from jcsaug.evaluation.metrics import ComponentClasses
 from jcsaug.inference.pipeline import (
-    case_file_name,
     check_prediction_cases,
     prediction_evaluator,
     prediction_postprocessing,
     prediction_preprocessing,
+    segmentation_path,
 )
 
 logger = logging.getLogger("jcsaug.inference")
@@ -82,7 +82,7 @@ def report_predictions(
 ) -> list[Path]:
     """Log at INFO (logger ``jcsaug.inference``) how many of ``cases``' segmentations are in ``output_dir`` and
     where, and return their paths; a missing one is an error naming it (the end of the bundles' inference run)."""
-    paths = [Path(output_dir) / f"{case_file_name(entry, image_key)}_seg.nii.gz" for entry in cases]
+    paths = [segmentation_path(entry, output_dir, image_key) for entry in cases]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"{len(missing)} of {len(paths)} segmentations were not written: {missing[:3]}")
