@@ -176,7 +176,7 @@ def test_5_a_label_with_another_affine_is_named_before_training(monkeypatch, tmp
     data = _copy(dataset, tmp_path)
     label = _edit_label(data, "training", lambda a, aff: (a, np.diag([2.0, 2.0, 2.0, 1.0])))  # saved at 2 mm
     message = _refused(monkeypatch, tmp_path, data)
-    assert message.startswith("error: 1 problem(s) in the data, found before training:\n  training: case ")
+    assert message.startswith("error: 1 problem(s) in the data, found before the run:\n  training: case ")
     assert "image and label affines differ (tolerance 0.001 mm)" in message and "case_000.nii.gz" in message
     assert not (tmp_path / "run").exists(), label
 

@@ -499,7 +499,7 @@ def test_every_bad_case_of_every_split_is_listed(tmp_path):
     with pytest.raises(PreflightError) as err:
         check_data(splits)
     lines = str(err.value).splitlines()
-    assert lines[0] == "5 problem(s) in the data, found before training:"
+    assert lines[0] == "5 problem(s) in the data, found before the run:"
     assert lines[1] == f"  training: case {good['image']}: label file {tmp_path / 'missing.nii.gz'} does not exist"
     assert lines[2].startswith(f"  validation: case {good['image']}: image and label affines differ")
     assert lines[3] == f"  test: case {tmp_path / 's.nii.gz'}: image shape (8, 8, 7) and label shape (8, 8, 8) differ"

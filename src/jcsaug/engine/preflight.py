@@ -799,7 +799,7 @@ def check_data(
         listed = problems[:_MAX_LISTED]
         more = f"\n  ... and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
         raise PreflightError(
-            f"{len(problems)} problem(s) in the data, found before training:\n  " + "\n  ".join(listed) + more
+            f"{len(problems)} problem(s) in the data, found before the run:\n  " + "\n  ".join(listed) + more
         )
 
 
