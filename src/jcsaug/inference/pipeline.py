@@ -59,7 +59,10 @@ def segmentation_path(entry: Mapping, output_dir: str | Path, image_key: str = "
 
 
 def check_prediction_cases(
-    cases: Sequence[Mapping], output_dir: str | Path, image_key: str = "image", keep_largest_component=False
+    cases: Sequence[Mapping],
+    output_dir: str | Path,
+    image_key: str = "image",
+    keep_largest_component: ComponentClasses = False,
 ) -> list[Path]:
     """The segmentation files ``cases`` will be saved as in ``output_dir``, after checking that every case has an
     ``image_key`` entry, that no two give the same file name, and the form of ``keep_largest_component``; a bad one
