@@ -482,6 +482,21 @@ def test_saved_predictions_have_the_input_grid_uint8_and_optional_largest_compon
     assert segmentation_path({"image": "a/img.mha"}, "out") == Path("out/img_seg.nii.gz")  # any reader's format
 
 
+def test_predict_cases_reads_the_image_under_its_key(tmp_path):
+    """Cases whose image is under another key than ``"image"`` (MONAI's engines read ``"image"`` by default)."""
+    from jcsaug.inference import predict_cases
+
+    raw = np.zeros((6, 5, 4), np.float32)
+    raw[1:3, 2:4, 1:3] = 1.0
+    nib.save(nib.Nifti1Image(raw, np.diag([-1.0, 1.0, 2.0, 1.0])), tmp_path / "t1.nii.gz")
+    (written,) = predict_cases(_Threshold(), [{"t1": str(tmp_path / "t1.nii.gz")}], SimpleInferer(), tmp_path / "out",
+                               image_key="t1", progress=False)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(nib.load(str(written)).dataobj), raw.astype(np.uint8))
+    with pytest.raises(KeyError, match="has no 'image' entry"):
+        predict_cases(_Threshold(), [{"t1": str(tmp_path / "t1.nii.gz")}], SimpleInferer(), tmp_path / "x",
+                      progress=False)  # fmt: skip
+
+
 def test_report_predictions_names_where_the_segmentations_are_and_a_missing_one(tmp_path, caplog):
     from jcsaug.inference import report_predictions
 

@@ -196,11 +196,28 @@ def prediction_evaluator(
     device: torch.device | str = "cpu",
     num_workers: int = 0,
     handlers: Sequence | None = None,
+    image_key: str = "image",
 ) -> SupervisedEvaluator:
-    """A MONAI ``SupervisedEvaluator`` that predicts ``cases`` one at a time with ``inferer`` and applies
-    ``postprocessing`` to each; ``network`` is moved to ``device`` (the evaluator puts it in eval mode)."""
+    """A MONAI ``SupervisedEvaluator`` that predicts ``cases`` one at a time with ``inferer`` (the image under
+    ``image_key``) and applies ``postprocessing`` to each; ``network`` is moved to ``device`` (the evaluator puts it
+    in eval mode while it predicts)."""
     loader = DataLoader(Dataset(list(cases), transform=preprocessing), batch_size=1, num_workers=num_workers)
     return SupervisedEvaluator(
         device=torch.device(device), val_data_loader=loader, network=network.to(device), inferer=inferer,
-        postprocessing=postprocessing, val_handlers=list(handlers or []),
+        postprocessing=postprocessing, val_handlers=list(handlers or []), prepare_batch=ImageOnly(image_key),
     )  # fmt: skip
+
+
+class ImageOnly:
+    """A MONAI engine's ``prepare_batch`` for prediction: the batch's image under ``image_key`` on the device, no
+    label (MONAI's default reads the key ``"image"`` only)."""
+
+    def __init__(self, image_key: str = "image") -> None:
+        self.image_key = image_key
+
+    def __call__(
+        self, batchdata: Mapping, device: torch.device | str | None = None, non_blocking: bool = False, **kwargs
+    ) -> tuple[torch.Tensor, None]:
+        if self.image_key not in batchdata:
+            raise KeyError(f"the batch has no {self.image_key!r} entry (it has {sorted(map(str, batchdata))})")
+        return batchdata[self.image_key].to(device=device, non_blocking=non_blocking, **kwargs), None

@@ -49,8 +49,8 @@ def predict_cases(
     its form is checked first, its classes against the network's on the first case, before anything is written).
     ``roi_threshold``: the task's region of interest (:class:`~jcsaug.data.ThresholdROId`, computed on the image as
     read, before ``preprocess``: HU for CT): the segmentation is background outside it, as in the evaluation;
-    None: not masked. The network is moved to ``device`` and put in eval mode. Two inputs whose file names give the
-    same output name are refused before anything is written.
+    None: not masked. The network is moved to ``device`` and predicts in eval mode. Two inputs whose file names give
+    the same output name are refused before anything is written.
     """
     written = check_prediction_cases(cases, output_dir, image_key, keep_largest_component)
     preprocessing = prediction_preprocessing(image_key, orientation, preprocess, roi_threshold)
@@ -59,7 +59,7 @@ def predict_cases(
     )
     handlers = [ProgressBar(desc="predict", persist=True)] if progress else []
     evaluator = prediction_evaluator(
-        network, cases, inferer, preprocessing, postprocessing, device, num_workers=num_workers, handlers=handlers
+        network, cases, inferer, preprocessing, postprocessing, device, num_workers, handlers, image_key
     )
     try:
         evaluator.run()
