@@ -40,7 +40,8 @@ from jcsaug.evaluation.metrics import (
     parse_component_classes,
 )
 
-#: the axis labels of ``Orientationd`` and ``nib.aff2axcodes`` (RAS+ world: the first label is the negative end)
+#: the axis labels ``Orientationd`` reads images with (RAS+ world: the first label is the negative end; given, not
+#: MONAI's default, which follows a MetaTensor's space and would read an LPS image with LPS labels)
 AXIS_LABELS = (("L", "R"), ("P", "A"), ("I", "S"))
 #: the key of the network's output in a MONAI engine's output (``monai.utils.CommonKeys.PRED``)
 PRED_KEY = "pred"
