@@ -18,6 +18,7 @@ from monai.networks.nets import UNet
 from jcsaug.data import make_synthetic_dataset
 from jcsaug.engine import get_loss
 from jcsaug.engine.losses import per_sample_training_losses
+from preloaded import run_module
 
 BUNDLES = Path(__file__).resolve().parents[1] / "bundles"
 CONFIGS = BUNDLES / "synthetic_lesion" / "configs"
@@ -192,11 +193,12 @@ def small_dataset(tmp_path: Path) -> None:
 
 
 def run_bundle(tmp_path: Path, *configs: str, check: bool = True, **overrides) -> subprocess.CompletedProcess:
-    """``python -m monai.bundle run`` of the default bundle's ``configs`` with ``overrides``; ``check``: assert rc 0."""
+    """``python -m monai.bundle run`` of the default bundle's ``configs`` with ``overrides`` (forked from the preloaded
+    test server: :mod:`preloaded`); ``check``: assert rc 0."""
     files = [str(CONFIGS / c) for c in configs]
     config_file = files[0] if len(files) == 1 else str(files)
-    args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", config_file,
-            "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf")]  # fmt: skip
+    args = ["run", "--config_file", config_file, "--meta_file", str(CONFIGS / "metadata.json"),
+            "--logging_file", str(CONFIGS / "logging.conf")]  # fmt: skip
     # patches smaller than small_dataset's 32³ volumes, so crops centre on both classes (both class groups); no
     # figures unless a test asks (plots=True): drawing them is a few seconds per run, and tests/test_viz.py tests them
     defaults = {"dataset_dir": tmp_path / "data", "output_dir": tmp_path / "run", "patch_size": "[24,24,24]",
@@ -204,6 +206,6 @@ def run_bundle(tmp_path: Path, *configs: str, check: bool = True, **overrides) -
     overrides = {**defaults, **overrides}
     for key, value in overrides.items():
         args += [f"--{key}", str(value)]
-    result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    result = run_module("monai.bundle", args, cwd=tmp_path, timeout=900)
     assert result.returncode == 0 or not check, result.stdout[-3000:] + result.stderr[-3000:]
     return result

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import nibabel as nib
 import pytest
@@ -15,6 +13,7 @@ from scipy import ndimage
 from helpers import run_bundle, small_dataset, synthetic_tra_policy
 from jcsaug.policy import make_tea_policy
 from jcsaug.policy.io import load_policies
+from preloaded import run_module
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +53,8 @@ def test_train_writes_checkpoints_policies_and_metrics(trained):
     assert "TRA group 1 (foreground), most changed: " in summary and "TEA, most changed: " in summary
     assert "TRA policy updates: " in summary and str(run / "policies.png") in summary
     assert (run / "policies.png").stat().st_size and (run / "policy_history.png").stat().st_size
-    shown = subprocess.run([sys.executable, "-m", "jcsaug.cli", "policy", "show", str(run / "policies.json")],
-                           capture_output=True, text=True, check=True)  # fmt: skip
+    shown = run_module("jcsaug.cli", ["policy", "show", run / "policies.json"])
+    assert shown.returncode == 0, shown.stderr
     assert "TRA policy, class group 1" in shown.stdout and "TEA policy" in shown.stdout
 
 

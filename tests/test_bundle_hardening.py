@@ -22,6 +22,7 @@ from helpers import CONFIGS, small_dataset
 from jcsaug.engine import nonfinite_entries, read_checkpoint, save_checkpoint_atomic
 from jcsaug.engine.preflight import PreflightError, check_override_ids
 from jcsaug.inference import TEAInferer
+from preloaded import run_module
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
@@ -80,11 +81,11 @@ def _files(folder: Path) -> dict[Path, bytes]:
 
 
 def _cli(tmp_path: Path, data: Path, **overrides) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "monai.bundle", "run", "--config_file", str(CONFIGS / "train.yaml"),
-            "--meta_file", str(CONFIGS / "metadata.json"), "--logging_file", str(CONFIGS / "logging.conf")]  # fmt: skip
+    args = ["run", "--config_file", str(CONFIGS / "train.yaml"), "--meta_file", str(CONFIGS / "metadata.json"),
+            "--logging_file", str(CONFIGS / "logging.conf")]  # fmt: skip
     for key, value in {**B, "dataset_dir": data, "output_dir": tmp_path / "run", **overrides}.items():
         args += [f"--{key}", str(value).replace(" ", "")]
-    return subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=900)
+    return run_module("monai.bundle", args, cwd=tmp_path, timeout=900)
 
 
 # ----------------------------------------------------------------------------------------------- item 1

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import nibabel as nib
@@ -17,6 +15,7 @@ from fake_raw import MNMS_CASES, TASK_NAMES, make_fake_raw, raw_case_files
 from jcsaug.data import intensity_normalisation
 from jcsaug.tasks import PrepareError, RawCase, get_task, load_split, paper_setting, prepare_task
 from jcsaug.tasks.splits import half_subset, scaled_sizes
+from preloaded import run_module
 
 
 @pytest.mark.parametrize("task", TASK_NAMES)
@@ -259,14 +258,12 @@ def test_paper_setting_table_and_fallback(caplog):
 
 def test_cli_prepare_reports_errors_without_a_traceback(tmp_path):
     raw = make_fake_raw("kits19_tumor", tmp_path / "raw")
-    ok = subprocess.run([sys.executable, "-m", "jcsaug.cli", "prepare", "kits19_tumor", str(raw), "--out",
-                         str(tmp_path / "data"), "--quiet"], capture_output=True, text=True)  # fmt: skip
+    ok = run_module("jcsaug.cli", ["prepare", "kits19_tumor", raw, "--out", tmp_path / "data", "--quiet"])
     assert ok.returncode == 0, ok.stderr
     assert Path(ok.stdout.strip()) == tmp_path / "data" / "dataset.json"
     shutil.rmtree(raw / "case_00001")
     (raw / "case_00001").mkdir()
-    bad = subprocess.run([sys.executable, "-m", "jcsaug.cli", "prepare", "kits19_tumor", str(raw), "--out",
-                          str(tmp_path / "other")], capture_output=True, text=True)  # fmt: skip
+    bad = run_module("jcsaug.cli", ["prepare", "kits19_tumor", raw, "--out", tmp_path / "other"])
     assert bad.returncode == 1 and "case_00001" in bad.stderr and "Traceback" not in bad.stderr
 
 

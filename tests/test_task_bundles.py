@@ -28,6 +28,7 @@ from fake_raw import TASK_NAMES
 from helpers import BUNDLES, bundle_parser, env_without_gpus
 from jcsaug.networks import get_network, list_networks
 from jcsaug.tasks import get_task
+from preloaded import run_module
 
 COMMON = BUNDLES / "_common" / "configs"
 SHARED_FILES = ("train.yaml", "evaluate.yaml", "inference.yaml", "multi_gpu_train.yaml", "logging.conf")
@@ -55,13 +56,16 @@ def run_task_bundle(
     """``python -m monai.bundle run`` on the task's own config files (the links), as a user runs it."""
     folder = BUNDLES / task / "configs"
     files = [str(folder / c) for c in configs]
-    launch = list(launcher) or [sys.executable]
-    args = [*launch, "-m", "monai.bundle", "run", "--config_file", files[0] if len(files) == 1 else str(files),
+    args = ["run", "--config_file", files[0] if len(files) == 1 else str(files),
             "--meta_file", str(folder / "metadata.json"), "--logging_file", str(folder / "logging.conf")]  # fmt: skip
     for key, value in {"dataset_dir": dataset_dir, **TINY, **overrides}.items():
         args += [f"--{key}", str(value)]
-    env = env_without_gpus(OMP_NUM_THREADS="1") if launcher else None  # torchrun here: gloo ranks on the CPU
-    result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
+    if launcher:  # torchrun here: gloo ranks on the CPU, in fresh interpreters
+        env = env_without_gpus(OMP_NUM_THREADS="1")
+        result = subprocess.run([*launcher, "-m", "monai.bundle", *args], capture_output=True, text=True, cwd=tmp_path,
+                                timeout=900, env=env)  # fmt: skip
+    else:  # forked from the preloaded test server (tests/preloaded.py)
+        result = run_module("monai.bundle", args, cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
     return result.stdout + result.stderr
 
