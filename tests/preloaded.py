@@ -1,18 +1,18 @@
 """``python -m MODULE ARGS`` for the tests, without paying MONAI's import each time.
 
 A fresh ``python -m monai.bundle run`` spends about 5 s of a CPU core importing torch and MONAI (MONAI imports all
-its submodules) before it reads a config; the suite starts about forty of them. Here one server process imports
+its submodules) before it reads a config; the suite starts about 35 of them. Here one server process imports
 them once and *forks* a child per command. The child is a whole process of its own, as a fresh one would be: it
 changes to the command's folder, writes its stdout and stderr to files, sets ``sys.argv``, runs the module as
 ``python -m`` does and leaves through the interpreter's normal shutdown (atexit handlers, flushes, exit code; a
 traceback and exit code 1 on an uncaught error). The standard library's ``forkserver`` is not used because its
 children leave with ``os._exit`` (no atexit handlers, no normal shutdown: what several tests check).
 
-What a forked child does not get afresh: modules already imported (environment variables read at import, such as
-``CUDA_VISIBLE_DEVICES``, keep the server's values; pass ``env`` and the command runs in a fresh interpreter), and the
-server's random states and hash seed (the bundles seed what they draw). The server is single-threaded and runs no
-torch operation, so no OpenMP thread pool is lost across the fork. ``JCSAUG_TEST_FRESH_PROCESSES=1`` runs every
-command in a fresh interpreter.
+The child gets this process's environment at the time of the command. What it does not get afresh: modules already
+imported (a command whose environment changes a variable read at import, :data:`READ_AT_IMPORT`, or that is given
+``env``, runs in a fresh interpreter), and the server's random states and hash seed (the bundles seed what they
+draw). The server is single-threaded and runs no torch operation, so no OpenMP thread pool is lost across the fork.
+``JCSAUG_TEST_FRESH_PROCESSES=1`` runs every command in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 #: what the server imports before it forks (what every bundle run and the CLI import first)
@@ -40,23 +41,36 @@ def run_module(
     module: str, args: list[str], *, cwd: Path | str | None = None, timeout: float | None = None, env=None
 ) -> subprocess.CompletedProcess:
     """``python -m module *args`` with its output captured as text, like ``subprocess.run(..., capture_output=True,
-    text=True)``: forked from the preloaded server, or run in a fresh interpreter when ``env`` is given, when this
-    process's environment is no longer the one the server started with (a test's ``monkeypatch.setenv``), or with
-    ``JCSAUG_TEST_FRESH_PROCESSES=1``. A command past ``timeout`` is killed with its process group and raises
-    :class:`subprocess.TimeoutExpired`."""
+    text=True)``, in this process's environment: forked from the preloaded server, or run in a fresh interpreter
+    when ``env`` is given, when a variable read at import (:data:`READ_AT_IMPORT`) is no longer what the server
+    started with (a test's ``monkeypatch.setenv``), or with ``JCSAUG_TEST_FRESH_PROCESSES=1``. A command past
+    ``timeout`` is killed with its process group and raises :class:`subprocess.TimeoutExpired`."""
     argv = [sys.executable, "-m", module, *map(str, args)]
-    if env is not None or os.environ.get(FRESH_ENV) == "1" or _environment() != _START_ENV:
+    now = _read_at_import(os.environ)
+    if now != _START and env is None:  # said, so that a suite that stopped forking does not go unnoticed
+        changed = sorted(k for k in {*now, *_START} if now.get(k) != _START.get(k))
+        warnings.warn(f"{', '.join(changed)} changed since the tests started: {module} runs in a fresh interpreter",
+                      stacklevel=2)  # fmt: skip
+    if env is not None or os.environ.get(FRESH_ENV) == "1" or now != _START:
         return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
     return _server().run(argv, module, argv[3:], Path(cwd or os.getcwd()), timeout)
 
 
-def _environment() -> dict[str, str]:
-    """This process's environment without the variable pytest sets per test."""
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+#: environment variables that Python, torch's threading libraries or CUDA read at start-up or when imported, and that
+#: a test may set for a child: a command whose environment changes one of them runs in a fresh interpreter. Any
+#: other variable reaches the forked child as it is now (libraries set some while the tests run, e.g.
+#: ``CUBLAS_WORKSPACE_CONFIG``, ``TORCHINDUCTOR_CACHE_DIR``: a fresh child would inherit them too).
+READ_AT_IMPORT = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONOPTIMIZE", "CUDA_VISIBLE_DEVICES",
+                  "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD")  # fmt: skip
 
 
-#: the environment the server starts with: this process's when the tests are collected
-_START_ENV = _environment()
+def _read_at_import(environment) -> dict[str, str]:
+    return {k: environment[k] for k in READ_AT_IMPORT if k in environment}
+
+
+#: those variables as the server starts with them: this process's when the tests are collected
+_START_ENV = dict(os.environ)
+_START = _read_at_import(_START_ENV)
 
 
 class _Server:

@@ -53,10 +53,15 @@ def test_a_forked_command_ends_as_a_fresh_one(tmp_path, how):
 
 
 def test_the_environment_reaches_the_command(tmp_path, monkeypatch):
-    """A changed environment (here a new variable) runs the command in a fresh interpreter, which sees it."""
+    """A new variable reaches the forked child; one that torch or Python may read at import (a thread count) runs
+    the command in a fresh interpreter instead."""
     monkeypatch.setenv("PROBE_VALUE", "seen")
     _, forked = _both(tmp_path, "return")
-    assert "env seen" in forked.stdout and "pgid False" in forked.stdout
+    assert "env seen" in forked.stdout and "pgid True" in forked.stdout
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.warns(UserWarning, match="OMP_NUM_THREADS changed since the tests started: probe runs in a fresh"):
+        _, fresh = _both(tmp_path, "return")
+    assert "env seen" in fresh.stdout and "pgid False" in fresh.stdout
 
 
 def test_a_command_past_its_timeout_is_killed_with_its_children(tmp_path):
