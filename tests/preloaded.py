@@ -35,6 +35,9 @@ from pathlib import Path
 PRELOAD = ("torch", "numpy", "scipy.ndimage", "nibabel", "yaml", "fire", "monai", "monai.bundle", "ignite.engine",
            "ignite.handlers", "jcsaug")  # fmt: skip
 FRESH_ENV = "JCSAUG_TEST_FRESH_PROCESSES"
+#: forking after these imports is safe on Linux; macOS's system libraries are not fork-safe once loaded (the reason
+#: Python's multiprocessing spawns there) and Windows has no fork: fresh interpreters elsewhere
+FORK_SAFE = sys.platform.startswith("linux")
 
 
 def run_module(
@@ -43,7 +46,7 @@ def run_module(
     """``python -m module *args`` with its output captured as text, like ``subprocess.run(..., capture_output=True,
     text=True)``, in this process's environment: forked from the preloaded server, or run in a fresh interpreter
     when ``env`` is given, when a variable read at import (:data:`READ_AT_IMPORT`) is no longer what the server
-    started with (a test's ``monkeypatch.setenv``), or with ``JCSAUG_TEST_FRESH_PROCESSES=1``. A command past
+    started with (a test's ``monkeypatch.setenv``), off Linux, or with ``JCSAUG_TEST_FRESH_PROCESSES=1``. A command past
     ``timeout`` is killed with its process group and raises :class:`subprocess.TimeoutExpired`."""
     argv = [sys.executable, "-m", module, *map(str, args)]
     now = _read_at_import(os.environ)
@@ -51,7 +54,7 @@ def run_module(
         changed = sorted(k for k in {*now, *_START} if now.get(k) != _START.get(k))
         warnings.warn(f"{', '.join(changed)} changed since the tests started: {module} runs in a fresh interpreter",
                       stacklevel=2)  # fmt: skip
-    if env is not None or os.environ.get(FRESH_ENV) == "1" or now != _START:
+    if env is not None or os.environ.get(FRESH_ENV) == "1" or now != _START or not FORK_SAFE:
         return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
     return _server().run(argv, module, argv[3:], Path(cwd or os.getcwd()), timeout)
 

@@ -11,6 +11,11 @@ import pytest
 
 import preloaded
 
+pytestmark = pytest.mark.skipif(
+    not preloaded.FORK_SAFE or os.environ.get(preloaded.FRESH_ENV) == "1",
+    reason="every command runs in a fresh interpreter (off Linux, or asked to)",
+)
+
 #: a module run with ``python -m probe ARGS`` from the folder it lies in: it prints what a process can see of itself
 #: and leaves as its first argument says
 PROBE = """
