@@ -6,7 +6,7 @@ them once and *forks* a child per command. The child is a whole process of its o
 changes to the command's folder, writes its stdout and stderr to files, sets ``sys.argv``, runs the module as
 ``python -m`` does and leaves through the interpreter's normal shutdown (atexit handlers, flushes, exit code; a
 traceback and exit code 1 on an uncaught error). The standard library's ``forkserver`` is not used because its
-children leave with ``os._exit`` (no atexit handlers, no normal shutdown: what several tests check).
+children leave with ``os._exit`` (no atexit handlers, no interpreter shutdown: not how a user's command ends).
 
 The child gets this process's environment at the time of the command. What it does not get afresh: modules already
 imported (a command whose environment changes a variable read at import, :data:`READ_AT_IMPORT`, or that is given
