@@ -1,7 +1,7 @@
 """``python -m MODULE ARGS`` for the tests, without paying MONAI's import each time.
 
 A fresh ``python -m monai.bundle run`` spends about 5 s of a CPU core importing torch and MONAI (MONAI imports all
-its submodules) before it reads a config; the suite starts about 35 of them. Here one server process imports
+its submodules) before it reads a config; the suite starts about 30 of them. Here one server process imports
 them once and *forks* a child per command. The child is a whole process of its own, as a fresh one would be: it
 changes to the command's folder, writes its stdout and stderr to files, sets ``sys.argv``, runs the module as
 ``python -m`` does and leaves through the interpreter's normal shutdown (atexit handlers, flushes, exit code; a
