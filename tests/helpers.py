@@ -192,13 +192,19 @@ def small_dataset(tmp_path: Path) -> None:
     make_synthetic_dataset(tmp_path / "data", num_train=4, num_val=2, num_test=2, shape=(32, 32, 32), progress=False)
 
 
+def bundle_run_args(folder: Path, *configs: str) -> list[str]:
+    """The arguments of ``python -m monai.bundle`` that run the ``configs`` of a bundle's configs ``folder`` (merged
+    in order) with its ``metadata.json`` and ``logging.conf``, as its README runs them; overrides follow."""
+    files = [str(folder / c) for c in configs]
+    config_file = files[0] if len(files) == 1 else str(files)
+    return ["run", "--config_file", config_file, "--meta_file", str(folder / "metadata.json"),
+            "--logging_file", str(folder / "logging.conf")]  # fmt: skip
+
+
 def run_bundle(tmp_path: Path, *configs: str, check: bool = True, **overrides) -> subprocess.CompletedProcess:
     """``python -m monai.bundle run`` of the default bundle's ``configs`` with ``overrides`` (forked from the preloaded
     test server: :mod:`preloaded`); ``check``: assert rc 0."""
-    files = [str(CONFIGS / c) for c in configs]
-    config_file = files[0] if len(files) == 1 else str(files)
-    args = ["run", "--config_file", config_file, "--meta_file", str(CONFIGS / "metadata.json"),
-            "--logging_file", str(CONFIGS / "logging.conf")]  # fmt: skip
+    args = bundle_run_args(CONFIGS, *configs)
     # patches smaller than small_dataset's 32³ volumes, so crops centre on both classes (both class groups); no
     # figures unless a test asks (plots=True): drawing them is a few seconds per run, and tests/test_viz.py tests them
     defaults = {"dataset_dir": tmp_path / "data", "output_dir": tmp_path / "run", "patch_size": "[24,24,24]",

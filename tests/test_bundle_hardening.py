@@ -18,7 +18,7 @@ import pytest
 import torch
 from monai.bundle import ConfigParser, ConfigWorkflow
 
-from helpers import CONFIGS, small_dataset
+from helpers import CONFIGS, bundle_run_args, small_dataset
 from jcsaug.engine import nonfinite_entries, read_checkpoint, save_checkpoint_atomic
 from jcsaug.engine.preflight import PreflightError, check_override_ids
 from jcsaug.inference import TEAInferer
@@ -81,8 +81,7 @@ def _files(folder: Path) -> dict[Path, bytes]:
 
 
 def _cli(tmp_path: Path, data: Path, **overrides) -> subprocess.CompletedProcess:
-    args = ["run", "--config_file", str(CONFIGS / "train.yaml"), "--meta_file", str(CONFIGS / "metadata.json"),
-            "--logging_file", str(CONFIGS / "logging.conf")]  # fmt: skip
+    args = bundle_run_args(CONFIGS, "train.yaml")
     for key, value in {**B, "dataset_dir": data, "output_dir": tmp_path / "run", **overrides}.items():
         args += [f"--{key}", str(value).replace(" ", "")]
     return run_module("monai.bundle", args, cwd=tmp_path, timeout=900)

@@ -25,7 +25,7 @@ import pytest
 from monai.bundle import ConfigParser
 
 from fake_raw import TASK_NAMES
-from helpers import BUNDLES, bundle_parser, env_without_gpus
+from helpers import BUNDLES, bundle_parser, bundle_run_args, env_without_gpus
 from jcsaug.networks import get_network, list_networks
 from jcsaug.tasks import get_task
 from preloaded import run_module
@@ -54,10 +54,7 @@ def run_task_bundle(
     task: str, tmp_path: Path, dataset_dir: Path, *configs: str, launcher: tuple[str, ...] = (), **overrides
 ) -> str:
     """``python -m monai.bundle run`` on the task's own config files (the links), as a user runs it."""
-    folder = BUNDLES / task / "configs"
-    files = [str(folder / c) for c in configs]
-    args = ["run", "--config_file", files[0] if len(files) == 1 else str(files),
-            "--meta_file", str(folder / "metadata.json"), "--logging_file", str(folder / "logging.conf")]  # fmt: skip
+    args = bundle_run_args(BUNDLES / task / "configs", *configs)
     for key, value in {"dataset_dir": dataset_dir, **TINY, **overrides}.items():
         args += [f"--{key}", str(value)]
     if launcher:  # torchrun here: gloo ranks on the CPU, in fresh interpreters
