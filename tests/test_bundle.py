@@ -62,7 +62,7 @@ def test_evaluate_and_inference_configs(trained):
     tmp_path, _ = trained
     run_bundle(tmp_path, "train.yaml", "evaluate.yaml", num_workers=0)
     metrics = json.loads((tmp_path / "run" / "metrics_evaluate.json").read_text())
-    assert set(metrics) == {"none", "heuristic", "learned"}  # the same method names as after training
+    assert set(metrics) == {"none", "heuristic", "learned", "learned+mirror"}  # every method; training: none + its own
     # the validation cases the policies learned from, into files of their own (the test split's are kept)
     result = run_bundle(tmp_path, "train.yaml", "evaluate.yaml", num_workers=0, evaluate_split="validation")
     on_validation = json.loads((tmp_path / "run" / "metrics_evaluate_validation.json").read_text())

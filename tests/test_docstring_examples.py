@@ -22,6 +22,7 @@ DOCUMENTED = {
     "TRAPolicyUpdater": "jcsaug.engine.tra_updater",
     "TEAPolicyUpdater": "jcsaug.engine.tea_updater",
     "TEAInferer": "jcsaug.inference.tta",
+    "BlendedTTAInferer": "jcsaug.inference.tta",
     "make_tra_policy": "jcsaug.policy.factory",
     "load_policies": "jcsaug.policy.io",
 }

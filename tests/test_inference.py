@@ -165,3 +165,32 @@ def test_identity_weight_makes_the_ensemble_the_probability_weighted_mixture_of_
     inferers = make_tta_inferers(["none", "heuristic", "learned"], None, path, z=3, identity_weight=0.5)
     assert isinstance(inferers["none"], NoTTAInferer) and isinstance(inferers["heuristic"], MirrorTTAInferer)
     assert inferers["learned"].weights[0] == pytest.approx(0.5)
+
+
+def test_learned_plus_mirror_averages_the_learned_and_mirrored_probabilities(tmp_path):
+    """``learned+mirror``: the learned TEA's top ``z`` ops and nnU-Net's 8 mirrorings, their class probabilities
+    averaged 1:1 and returned as a log (so ``argmax`` and ``softmax`` downstream read it as the others); like
+    ``learned`` it needs a TEA policy, and is left out without one where unavailable methods are skipped."""
+    from jcsaug.inference import BlendedTTAInferer, make_tta_inferer, make_tta_inferers
+
+    policy = make_tea_policy("uniform")
+    with torch.no_grad():
+        policy.logits[0, 38], policy.logits[0, 54] = 2.0, 1.0  # mirror_sagittal, shift_add_0.05 on top
+    path = save_policies(tmp_path / "policies.json", tea=policy)
+    blended = make_tta_inferer("learned+mirror", None, path, z=3)
+    assert isinstance(blended, BlendedTTAInferer) and blended.weights == [0.5, 0.5]
+    x = torch.rand(1, 1, 8, 9, 10)
+    learned = torch.softmax(make_tta_inferer("learned", None, path, z=3)(x, _net), 1)
+    mirrored = torch.softmax(make_tta_inferer("heuristic", None, path)(x, _net), 1)
+    out = blended(x, _net)
+    torch.testing.assert_close(out.exp(), (learned + mirrored) / 2, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.softmax(out, 1), (learned + mirrored) / 2, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(learned, mirrored, atol=1e-3)  # the two members differ: the mean is no accident
+    only_tra = save_policies(tmp_path / "tra.json", tra=make_tra_policy())
+    with pytest.raises(ValueError, match="tra.json holds none"):
+        make_tta_inferer("learned+mirror", None, only_tra)
+    methods = ["none", "learned", "learned+mirror"]
+    assert list(make_tta_inferers(methods, None, only_tra, skip_unavailable=True)) == ["none"]
+    for bad in ([], [NoTTAInferer()] * 2):
+        with pytest.raises(ValueError, match="at least one member|non-negative weights"):
+            BlendedTTAInferer(bad, weights=None if not bad else [1.0, -1.0])

@@ -278,7 +278,7 @@ def test_evaluate_and_inference_after_training(tiny_runs, prepared, tmp_path):
     common = {"output_dir": run, "patch_size": "[16,16,16]", **UNET}
     log = run_task_bundle("kits19_tumor", tmp_path, data, "train.yaml", "evaluate.yaml", **common)
     metrics = json.loads((run / "metrics_evaluate.json").read_text())
-    assert set(metrics) == {"none", "heuristic", "learned"}  # the same method names as after training
+    assert set(metrics) == {"none", "heuristic", "learned", "learned+mirror"}  # every method; training: none + its own
     assert metrics["none"]["mean_dice_reported"]["tumour"]["classes"] == [2]  # the paper reports the tumour
     trained = json.loads((run / "metrics.json").read_text())
     for result in (metrics, trained):  # KiTS: predictions outside the body ROI are background, as the reference's

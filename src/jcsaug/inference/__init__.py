@@ -11,6 +11,7 @@ from jcsaug.inference.pipeline import (
 from jcsaug.inference.predict import predict_cases, report_predictions
 from jcsaug.inference.tta import (
     TTA_INFERERS,
+    BlendedTTAInferer,
     MirrorTTAInferer,
     NoTTAInferer,
     TEAInferer,
@@ -25,6 +26,7 @@ from jcsaug.inference.tta import (
 __all__ = [
     "LogitsToSegmentationd",
     "TTA_INFERERS",
+    "BlendedTTAInferer",
     "MirrorTTAInferer",
     "NoTTAInferer",
     "TEAInferer",
