@@ -54,6 +54,14 @@ def tta_selection(
     return [0, *(int(i) for i in top)], torch.cat([torch.tensor([w], dtype=torch.float64), others])
 
 
+def _normalised_weights(weights: Sequence[float] | torch.Tensor | None, n: int) -> list[float]:
+    """``n`` finite non-negative weights (default equal) scaled to sum 1; anything else is refused."""
+    w = torch.ones(n, dtype=torch.float64) if weights is None else torch.as_tensor(weights).double()
+    if w.shape != (n,) or not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"expected {n} finite non-negative weights, got {w.tolist()}")
+    return (w / w.sum()).tolist()
+
+
 class TEAInferer(Inferer):
     """Average the predictions of ``ops``-transformed copies, mapped back, with ``weights``.
 
@@ -86,13 +94,11 @@ class TEAInferer(Inferer):
         super().__init__()
         if not ops:
             raise ValueError("TEAInferer needs at least one op")
-        w = torch.ones(len(ops), dtype=torch.float64) if weights is None else torch.as_tensor(weights).double()
-        if w.shape != (len(ops),) or not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"expected {len(ops)} finite non-negative weights, got {w.tolist()}")
+        normalised = _normalised_weights(weights, len(ops))
         if average not in ("logits", "probabilities"):
             raise ValueError(f"average must be 'logits' or 'probabilities', got {average!r}")
         self.ops = list(ops)
-        self.weights = (w / w.sum()).tolist()
+        self.weights = normalised
         self.base_inferer = base_inferer or SimpleInferer()
         self.average = average
 
@@ -230,11 +236,8 @@ class BlendedTTAInferer(Inferer):
         super().__init__()
         if not members:
             raise ValueError("BlendedTTAInferer needs at least one member")
-        w = torch.ones(len(members), dtype=torch.float64) if weights is None else torch.as_tensor(weights).double()
-        if w.shape != (len(members),) or not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"expected {len(members)} finite non-negative weights, got {w.tolist()}")
         self.members = list(members)
-        self.weights = (w / w.sum()).tolist()
+        self.weights = _normalised_weights(weights, len(members))
 
     def __call__(self, inputs: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
         total = None
