@@ -49,12 +49,14 @@ def run_module(
     started with (a test's ``monkeypatch.setenv``), off Linux, or with ``JCSAUG_TEST_FRESH_PROCESSES=1``. A command past
     ``timeout`` is killed with its process group and raises :class:`subprocess.TimeoutExpired`."""
     argv = [sys.executable, "-m", module, *map(str, args)]
+    fresh = env is not None or os.environ.get(FRESH_ENV) == "1" or not FORK_SAFE
     now = _read_at_import(os.environ)
-    if now != _START and env is None:  # said, so that a suite that stopped forking does not go unnoticed
+    if not fresh and now != _START:  # said, so that a suite that stopped forking does not go unnoticed
         changed = sorted(k for k in {*now, *_START} if now.get(k) != _START.get(k))
         warnings.warn(f"{', '.join(changed)} changed since the tests started: {module} runs in a fresh interpreter",
                       stacklevel=2)  # fmt: skip
-    if env is not None or os.environ.get(FRESH_ENV) == "1" or now != _START or not FORK_SAFE:
+        fresh = True
+    if fresh:
         return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
     return _server().run(argv, module, argv[3:], Path(cwd or os.getcwd()), timeout)
 
