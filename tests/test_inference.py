@@ -194,3 +194,44 @@ def test_learned_plus_mirror_averages_the_learned_and_mirrored_probabilities(tmp
     for bad in ([], [NoTTAInferer()] * 2):
         with pytest.raises(ValueError, match="at least one member|non-negative weights"):
             BlendedTTAInferer(bad, weights=None if not bad else [1.0, -1.0])
+
+
+def test_evaluate_cases_predicts_a_blends_members_once(tmp_path):
+    """Evaluating every method, ``learned+mirror`` combines the outputs ``learned`` and ``heuristic`` just gave
+    (built from the same member objects): the network sees 1 + 8 + z copies per case, not 1 + 2 (8 + z), and each
+    method's figures are those it gets evaluated alone."""
+    from jcsaug.evaluation import evaluate_cases
+    from jcsaug.inference import list_tta_inferers, make_tta_inferers
+
+    policy = make_tea_policy("uniform")
+    with torch.no_grad():
+        policy.logits[0, 38], policy.logits[0, 54] = 2.0, 1.0
+    path = save_policies(tmp_path / "policies.json", tea=policy)
+    generator = torch.Generator().manual_seed(0)
+    data = {"image": torch.rand(1, 8, 9, 10, generator=generator)}
+    data["label"] = (data["image"] > 0.5).float()
+    seen = []
+
+    class CountingNet(torch.nn.Module):
+        def forward(self, x):
+            seen.append(x.shape[0])
+            return _net(x) * 4  # sharper probabilities
+
+    counting_net = CountingNet()
+
+    methods = list_tta_inferers()
+    assert methods.index("learned+mirror") > max(methods.index("learned"), methods.index("heuristic"))
+
+    def evaluate(names):
+        seen.clear()
+        inferers = make_tta_inferers(names, None, path, z=3)
+        metrics = evaluate_cases(
+            counting_net, [{"image": "a"}], lambda e: data, inferers, 2, spacing=1.0, progress=False
+        )
+        return metrics, sum(seen)
+
+    every, copies = evaluate(methods)
+    assert copies == 1 + 8 + 3
+    assert evaluate(["learned+mirror"])[1] == 8 + 3
+    for name in methods:
+        assert every[name]["per_case"][0]["dice"] == evaluate([name])[0][name]["per_case"][0]["dice"], name

@@ -14,7 +14,7 @@ import io
 import json
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +35,7 @@ from jcsaug.evaluation.metrics import (
     nanmean,
     summarize_cases,
 )
+from jcsaug.inference.tta import BlendedTTAInferer
 from jcsaug.utils import as_flag, atomic_write_text
 
 CSV_COLUMNS: tuple[str, ...] = ("method", "case", "class", *METRICS, "status")
@@ -320,11 +321,43 @@ def _evaluate_case(
     label = torch.as_tensor(data[label_key]).cpu()
     roi = data.get(roi_key) if roi_key is not None else None
     rows = {}
+    outputs = _MemberOutputs(inferers.values())
     for name, inferer in inferers.items():
-        pred = mask_outside_roi(inferer(image, network).argmax(1)[0].cpu(), roi)
+        pred = mask_outside_roi(outputs.predict(inferer, image, network).argmax(1)[0].cpu(), roi)
         values = case_metrics(pred, label[0], num_classes, voxel, keep_largest_component=lcc_classes)
         row = {"case": case, "dice": values["dice"], "mean_dice": _mean(values["dice"])}
         row.update({m: values[m] for m in METRICS[1:]}, status=values["status"], spacing=voxel)
         row["roi_masked"] = roi is not None
         rows[name] = row
     return rows
+
+
+class _MemberOutputs:
+    """One case's outputs of the inferers that a blend among ``inferers`` averages (:class:`BlendedTTAInferer`,
+    e.g. ``learned+mirror`` of ``learned`` and ``heuristic``, built by ``make_tta_inferers`` from the same member
+    objects), each kept until the last blend that uses it: a blend then combines them instead of predicting its
+    members' copies again. A member listed after its blend is predicted twice (the registry lists members first)."""
+
+    def __init__(self, inferers: Iterable[Inferer]) -> None:
+        self._uses: dict[int, int] = {}  # id(member) -> blends still to come that average it
+        for inferer in inferers:
+            if isinstance(inferer, BlendedTTAInferer):
+                for member in inferer.members:
+                    self._uses[id(member)] = self._uses.get(id(member), 0) + 1
+        self._kept: dict[int, torch.Tensor] = {}
+
+    def predict(self, inferer: Inferer, image: torch.Tensor, network: torch.nn.Module) -> torch.Tensor:
+        if not isinstance(inferer, BlendedTTAInferer):
+            output = self._kept.get(id(inferer))
+            if output is None:
+                output = inferer(image, network)
+                if self._uses.get(id(inferer)):
+                    self._kept[id(inferer)] = output
+            return output
+        outputs = [self._kept.get(id(member)) for member in inferer.members]
+        outputs = [member(image, network) if out is None else out for member, out in zip(inferer.members, outputs)]
+        for member in inferer.members:
+            self._uses[id(member)] -= 1
+            if not self._uses[id(member)]:
+                self._kept.pop(id(member), None)  # no later blend needs it: freed now, not at the case's end
+        return inferer.combine(outputs)

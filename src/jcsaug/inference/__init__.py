@@ -10,6 +10,7 @@ from jcsaug.inference.pipeline import (
 )
 from jcsaug.inference.predict import predict_cases, report_predictions
 from jcsaug.inference.tta import (
+    TTA_BLENDS,
     TTA_INFERERS,
     BlendedTTAInferer,
     MirrorTTAInferer,
@@ -20,11 +21,13 @@ from jcsaug.inference.tta import (
     load_tea_policy,
     make_tta_inferer,
     make_tta_inferers,
+    register_tta_blend,
     register_tta_inferer,
 )
 
 __all__ = [
     "LogitsToSegmentationd",
+    "TTA_BLENDS",
     "TTA_INFERERS",
     "BlendedTTAInferer",
     "MirrorTTAInferer",
@@ -40,6 +43,7 @@ __all__ = [
     "prediction_evaluator",
     "prediction_postprocessing",
     "prediction_preprocessing",
+    "register_tta_blend",
     "register_tta_inferer",
     "report_predictions",
 ]

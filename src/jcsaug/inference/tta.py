@@ -240,9 +240,15 @@ class BlendedTTAInferer(Inferer):
         self.weights = _normalised_weights(weights, len(members))
 
     def __call__(self, inputs: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
+        return self.combine([member(inputs, network, *args, **kwargs) for member in self.members])
+
+    def combine(self, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The blend of the members' outputs (one per member, in order), for a caller that has them already
+        (:func:`jcsaug.evaluation.evaluate_cases` predicts each method once)."""
+        if len(outputs) != len(self.members):
+            raise ValueError(f"BlendedTTAInferer.combine: {len(outputs)} outputs for {len(self.members)} members")
         total = None
-        for member, weight in zip(self.members, self.weights):
-            out = member(inputs, network, *args, **kwargs)
+        for out, weight in zip(outputs, self.weights):
             probabilities = weight * torch.softmax(out.as_tensor() if hasattr(out, "as_tensor") else out, dim=1).float()
             total = probabilities if total is None else total + probabilities
         return torch.log(total.clamp_min(1e-8))
@@ -271,17 +277,30 @@ TTA_INFERERS: Registry[Callable[[Inferer | None, TEAPolicyLike, int], Inferer]] 
 TTA_INFERERS.register("none", lambda base, tea_policy, z, **options: NoTTAInferer(base))
 TTA_INFERERS.register("heuristic", lambda base, tea_policy, z, **options: MirrorTTAInferer(base))
 TTA_INFERERS.register("learned", _learned)
-TTA_INFERERS.register(
-    "learned+mirror",
-    lambda base, tea_policy, z, **options: BlendedTTAInferer(
-        [_learned(base, tea_policy, z, **options), MirrorTTAInferer(base)]
-    ),
-)
+#: blended method -> the registered methods it averages 1:1 (:func:`register_tta_blend`)
+TTA_BLENDS: dict[str, tuple[str, ...]] = {}
+
+
+def register_tta_blend(name: str, members: Sequence[str]) -> None:
+    """Register ``name`` as the 1:1 :class:`BlendedTTAInferer` of the registered methods ``members``;
+    :func:`make_tta_inferers` builds it from the same member inferers it returns, so a caller that predicts with
+    every method (``evaluate_cases``) predicts each member once."""
+    members = tuple(members)
+    for member in members:
+        get_tta_inferer(member)  # a clear error naming the unknown method, now rather than at the first build
+
+    def factory(base: Inferer | None, tea_policy: TEAPolicyLike, z: int, **options) -> BlendedTTAInferer:
+        return BlendedTTAInferer([get_tta_inferer(m)(base, tea_policy, z, **options) for m in members])
+
+    TTA_INFERERS.register(name, factory)
+    TTA_BLENDS[name] = members
 
 
 #: ``register_tta_inferer(name, factory)`` with ``factory(base_inferer, tea_policy, z) -> Inferer``,
 #: ``get_tta_inferer(name)``, ``list_tta_inferers()``
 register_tta_inferer, get_tta_inferer, list_tta_inferers = TTA_INFERERS.register, TTA_INFERERS.get, TTA_INFERERS.names
+
+register_tta_blend("learned+mirror", ["learned", "heuristic"])
 
 
 def make_tta_inferer(
@@ -318,13 +337,24 @@ def make_tta_inferers(
     skip_unavailable: bool = False,
     identity_weight: float | None = None,
 ) -> dict[str, Inferer]:
-    """``{method: make_tta_inferer(method, ...)}``; ``skip_unavailable`` leaves out ``learned`` when there is no TEA
-    policy (e.g. every registered method a finished run can be evaluated with); ``identity_weight``: see
-    :func:`make_tta_inferer`."""
+    """``{method: make_tta_inferer(method, ...)}``; ``skip_unavailable`` leaves out ``learned`` (and the blends of
+    it) when there is no TEA policy (e.g. every registered method a finished run can be evaluated with);
+    ``identity_weight``: see :func:`make_tta_inferer`. A blend (:data:`TTA_BLENDS`) is built from the very member
+    inferers returned beside it, so :meth:`BlendedTTAInferer.combine` can reuse their outputs."""
+    built: dict[str, Inferer] = {}
+
+    def build(method: str) -> Inferer:
+        if method not in built:
+            if method in TTA_BLENDS:
+                built[method] = BlendedTTAInferer([build(member) for member in TTA_BLENDS[method]])
+            else:
+                built[method] = make_tta_inferer(method, base_inferer, tea_policy, z, identity_weight)
+        return built[method]
+
     inferers = {}
     for method in methods:
         try:
-            inferers[method] = make_tta_inferer(method, base_inferer, tea_policy, z, identity_weight)
+            inferers[method] = build(method)
         except _NeedsPolicy:
             if not skip_unavailable:
                 raise
