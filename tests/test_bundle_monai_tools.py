@@ -193,6 +193,47 @@ def test_a_training_workflow_reads_and_sets_the_properties(tmp_path):
     assert (tmp_path / "run" / "policies.json").is_file()
 
 
+@pytest.mark.parametrize("planned_epochs", [None, 2])
+def test_monai_fl_trains_the_bundle_round_after_round(tmp_path, planned_epochs, caplog):
+    """MONAI FL's client (``MonaiAlgo``) on the synthetic bundle, two rounds of one local epoch from the server's
+    weights: each round trains and returns the difference of the weights. MonaiAlgo sets ``max_epochs`` to one
+    round's, so without ``planned_epochs`` the learning-rate schedule ends with the first round and the second
+    trains at learning rate 0, with a warning that names the setting; with ``planned_epochs: 2`` (rounds x local
+    epochs) the second round trains at the schedule's second epoch."""
+    import copy
+    import logging
+
+    from monai.fl.client import MonaiAlgo
+    from monai.fl.utils.constants import WeightType
+    from monai.fl.utils.exchange_object import ExchangeObject
+
+    small_dataset(tmp_path)
+    settings = dict(dataset_dir=str(tmp_path / "data"), output_dir=str(tmp_path / "run"), patch_size=[24, 24, 24],
+                    plots=False, epoch_length=1, num_workers=0, planned_epochs=planned_epochs)  # fmt: skip
+    algo = MonaiAlgo(bundle_root=str(BUNDLES / "synthetic_lesion"), config_train_filename="configs/train.yaml",
+                     train_kwargs=settings, config_evaluate_filename=None)  # fmt: skip
+    with pytest.warns(UserWarning, match="provisioned by the FL system"):  # MONAI's note on running a bundle's code
+        algo.initialize(extra={"client_name": "site1", "app_root": str(tmp_path)})
+    server = ExchangeObject(weights=copy.deepcopy(algo.trainer.network.state_dict()), weight_type=WeightType.WEIGHTS)
+    rates, trained = [], []
+    with caplog.at_level(logging.WARNING, logger="jcsaug.engine"):
+        for _ in range(2):
+            rates.append(algo.trainer.optimizer.param_groups[0]["lr"])
+            algo.train(server)
+            update = algo.get_weights()
+            assert update.weight_type == WeightType.WEIGHT_DIFF and update.statistics["num_executed_iterations"] == 1
+            trained.append(any(bool(diff.abs().sum() > 0) for diff in update.weights.values()))
+    algo.finalize()
+    assert algo.trainer.state.epoch == 2 and (tmp_path / "run" / "policies.json").is_file()
+    warned = [r.getMessage() for r in caplog.records if "learning-rate schedule ended" in r.getMessage()]
+    if planned_epochs is None:  # the second round learns nothing
+        assert rates == [pytest.approx(0.01), 0.0] and trained == [True, False]
+        assert len(warned) == 1 and "Set planned_epochs" in warned[0]
+    else:
+        assert rates == [pytest.approx(0.01), pytest.approx(0.01 * 0.5**0.9)] and trained == [True, True]
+        assert not warned
+
+
 def test_bundle_root_is_where_data_and_runs_start():
     """MONAI's ``bundle_root`` property moves the default data and output folders; the default (".") gives the
     paths the README's commands use from the repository root."""

@@ -305,6 +305,26 @@ def test_logit_budget_sets_the_learning_rate_from_the_planned_updates():
         TEAPolicyUpdater(policy, tiny_unet(), [], logit_budget=0.0)
 
 
+def test_planned_epochs_replace_the_engines_max_epochs_in_the_plan():
+    """A run in pieces (MONAI FL's rounds: ``max_epochs`` is the end of this piece) plans the budget and the decay
+    over ``planned_epochs`` x ``epoch_length``, however far this piece goes, and the same base lr every piece."""
+    policy = make_tea_policy()
+    updater = TEAPolicyUpdater(policy, tiny_unet(), [lesion_batch(4)], lr=1.0, update_every=2, logit_budget=3.0,
+                               planned_epochs=4)  # fmt: skip
+    engine = Engine(lambda e, b: None)
+    updater.attach(engine)
+    engine.run(range(10), max_epochs=1)  # the first piece: 10 of the 40 planned iterations
+    decay = [(1 - (t - 1) / 40) ** 0.9 for t in range(2, 41, 2)]
+    assert updater.base_lr == pytest.approx(3.0 / sum(decay))
+    engine.state.max_epochs = 2  # the next piece, as MonaiAlgo continues a trainer
+    engine.run(range(10))
+    assert updater.base_lr == pytest.approx(3.0 / sum(decay)) and engine.state.iteration == 20
+    assert updater.current_lr(engine) == pytest.approx(updater.base_lr * (1 - 19 / 40) ** 0.9)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="planned_epochs"):
+            TEAPolicyUpdater(policy, tiny_unet(), [], planned_epochs=bad)
+
+
 def test_start_holds_the_policy_until_its_share_of_the_run_and_spreads_the_budget_after_it():
     """``start=0.5`` of 20 iterations: the TRA's first update is at iteration 12 (update_every 2 after 10), the
     policy and its Adam state are untouched until then, no parameters are snapshotted, and the budget is spread

@@ -84,6 +84,8 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tea_patches", 0, "must be an integer >= 1"),
         ("seed", -1, "must be an integer >= 0"),
         ("stop_after_epochs", -1, "must be an integer >= 0"),
+        ("planned_epochs", 0, "must be an integer >= 1, or None"),
+        ("planned_epochs", 2.5, "must be an integer >= 1, or None"),
         ("tra_counterfactuals", -1, "must be an integer >= 0"),
         ("tra_lr", -0.1, "must be a finite number >= 0"),
         ("tea_lr", float("inf"), "must be a finite number >= 0"),
@@ -358,12 +360,13 @@ def test_a_policy_file_the_mode_does_not_read_is_a_warning(tmp_path):
 
 
 def test_misspelled_override_id_is_refused_with_a_suggestion():
-    with pytest.raises(PreflightError, match=r"unknown override id\(s\) --max_epoch \(did you mean --max_epochs\?\)"):
+    suggestion = r"unknown override id\(s\) --max_epoch \(did you mean --max_epochs or --planned_epochs\?\)"
+    with pytest.raises(PreflightError, match=suggestion):
         check_override_ids(_argv("--max_epoch", "3", "--num_workers", "0"))
     with pytest.raises(PreflightError) as err:
         check_override_ids(_argv("--max_epoch=3", "--nonsense_id", "1"))
     message = str(err.value)
-    assert message.startswith("unknown override id(s) --max_epoch (did you mean --max_epochs?), --nonsense_id: not")
+    assert message.startswith("unknown override id(s) --max_epoch (did you mean --max_epochs or --planned_epochs?), ")
     assert re.search(r"Its settings: .*\bmax_epochs\b.*\btra_mode\b", message)
     # the bundle's own ids, nested ids and `monai.bundle run`'s arguments pass; other processes are not checked
     check_override_ids(_argv("--max_epochs", "3", "--network_def#channels", "[8,16,32]", "--meta_file", "m.json"))

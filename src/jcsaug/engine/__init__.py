@@ -51,6 +51,7 @@ from jcsaug.engine.preflight import (
     check_settings,
 )
 from jcsaug.engine.resume import EpochReseeder, ResumeCheckpoint, StopAfterEpochs
+from jcsaug.engine.schedule import WarnAfterSchedule
 from jcsaug.engine.summary import RunSummary
 from jcsaug.engine.tea_updater import TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRAPolicyUpdater
@@ -88,6 +89,7 @@ __all__ = [
     "nonfinite_entries",
     "read_checkpoint",
     "StopOnNonFiniteLoss",
+    "WarnAfterSchedule",
     "GradientClipping",
     "TrainingDiverged",
     "PreflightError",

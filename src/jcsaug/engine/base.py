@@ -223,6 +223,9 @@ class PolicyUpdater(ABC):
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.
+        planned_epochs: the epochs the poly decay, the logit budget and ``start`` plan over (times the engine's
+            ``epoch_length``); None: the engine's ``max_epochs`` (or ``max_iters``) when the run starts. For a
+            training run in pieces whose ``max_epochs`` is one piece's end (MONAI FL's rounds).
 
     The state (:meth:`state_dict`) is per rank in distributed runs: the random stream, and the running estimates
     made from the rank's own batches (op effects, look-ahead, validation-gradient average).
@@ -255,6 +258,7 @@ class PolicyUpdater(ABC):
         frequency_scaling: bool = False,
         start: float = 0.0,
         step_rule: str = "adam",
+        planned_epochs: int | None = None,
     ) -> None:
         if update_every < 1:
             raise ValueError(f"update_every must be >= 1, got {update_every}")
@@ -266,6 +270,10 @@ class PolicyUpdater(ABC):
             raise ValueError(f"poly_power must be finite and >= 0 (0: a constant learning rate), got {poly_power}")
         if not 0.0 <= start < 1.0:
             raise ValueError(f"start must be a share of the run in [0, 1), got {start}")
+        if planned_epochs is not None and (isinstance(planned_epochs, bool) or int(planned_epochs) != planned_epochs
+                                           or planned_epochs < 1):  # fmt: skip
+            raise ValueError(f"planned_epochs must be None or an integer >= 1, got {planned_epochs!r}")
+        self.planned_epochs = None if planned_epochs is None else int(planned_epochs)
         self.policy = policy
         self.wrapped_model = model
         self.base_lr = float(lr)
@@ -365,10 +373,13 @@ class PolicyUpdater(ABC):
         return math.floor(self.start * total_iterations) + 1
 
     def _total_iterations(self, engine: Engine) -> int:
-        """The run's planned iterations: ``max_iters`` when ``engine.run`` was given it, else ``max_epochs`` x
-        ``epoch_length``. Data without a length and no ``epoch_length`` leave it unknown until the first epoch
-        ends: an error then, since the poly decay and the logit budget are planned over the whole run."""
+        """The run's planned iterations: ``planned_epochs`` x ``epoch_length`` when set, else ``max_iters`` when
+        ``engine.run`` was given it, else ``max_epochs`` x ``epoch_length``. Data without a length and no
+        ``epoch_length`` leave it unknown until the first epoch ends: an error then, since the poly decay and the
+        logit budget are planned over the whole run."""
         state = engine.state
+        if self.planned_epochs is not None and state.epoch_length is not None:
+            return self.planned_epochs * int(state.epoch_length)
         if getattr(state, "max_iters", None):
             return int(state.max_iters)
         if state.epoch_length is None or state.max_epochs is None:

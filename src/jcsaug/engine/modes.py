@@ -312,6 +312,7 @@ class AugmentationSetup:
         tea_inferer: Inferer | None = None,
         tra_step: str = "adam",
         tra_meta_mode: str = "eval",
+        planned_epochs: int | None = None,
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
 
@@ -335,7 +336,9 @@ class AugmentationSetup:
         the last ~50 updates weighing most; ``"natural-unbiased"``, the synthetic bundle's default: the same without
         the drift that noisy effects give the rare ops; see :class:`~jcsaug.engine.base.PolicyUpdater`).
         ``tra_meta_mode``: the TRA updater's ``meta_mode`` (``"eval"``; ``"train"``: its extra passes in training
-        mode, as the reference's code runs them: a U-Net's deep-supervision heads, BatchNorm's batch statistics)."""
+        mode, as the reference's code runs them: a U-Net's deep-supervision heads, BatchNorm's batch statistics).
+        ``planned_epochs``: the epochs both updaters plan their learning rates over (None: the trainer's
+        ``max_epochs``; see :class:`~jcsaug.engine.base.PolicyUpdater`)."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(
@@ -345,7 +348,7 @@ class AugmentationSetup:
                 estimator=self.tra_estimator,
                 val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
                 lookahead=tra_lookahead, direction=tra_direction, poly_power=tra_poly_power,
-                start=tra_start, step_rule=tra_step, meta_mode=tra_meta_mode,
+                start=tra_start, step_rule=tra_step, meta_mode=tra_meta_mode, planned_epochs=planned_epochs,
             )  # fmt: skip
         if self.learn_tea:
             tea = TEAPolicyUpdater(
@@ -354,7 +357,7 @@ class AugmentationSetup:
                 logit_budget=tea_logit_budget, patches=tea_patches, poly_power=tea_poly_power,
                 op_score=self.tea_op_score, tta_z=self.tea_z, tta_identity_weight=self.tea_identity_weight,
                 inferer=tea_inferer, mask_out_of_view=self.tea_mask_out_of_view,
-                background_patches=self.tea_background_patches,
+                background_patches=self.tea_background_patches, planned_epochs=planned_epochs,
             )  # fmt: skip
         return PolicyUpdaters(self.tra_policy, self.tea_policy, tra, tea, tea_tested=self.tea.from_file)
 

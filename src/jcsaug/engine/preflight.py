@@ -114,6 +114,10 @@ def _positive_int(value: Any) -> str | None:
     return None
 
 
+def _optional_positive_int(value: Any) -> str | None:
+    return None if value is None else (_positive_int(value) and "must be an integer >= 1, or None")
+
+
 def _non_negative_int(value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         return "must be an integer >= 0"
@@ -350,6 +354,7 @@ def _validators() -> dict[str, Any]:
             _non_negative_int,
         ),
         "learning_rate": _positive_finite,  # the network's SGD: 0 would train nothing
+        "planned_epochs": _optional_positive_int,
         # 0 is what the updaters accept (a budget replaces it); 0 where it is used: _relation_problems
         **dict.fromkeys(("tra_lr", "tea_lr", "posthoc_lr"), _at_least(0)),
         **dict.fromkeys(("tra_logit_budget", "tea_logit_budget"), _budget),

@@ -231,7 +231,9 @@ UPDATER_SETTINGS_BEFORE_SAVED: dict[str, Any] = {
 #: the same for a run's settings (``ResumeCheckpoint(settings=)``): runs before the TRA context cropped no context,
 #: runs before the task's ROI drew patch centres from the whole volume, runs before the TEA read its volumes'
 #: statistics used each patch's own
-RUN_SETTINGS_BEFORE_SAVED: dict[str, Any] = {"tra_context": [0, 0, 0], "roi_threshold": None, "tea_volume_stats": False}
+RUN_SETTINGS_BEFORE_SAVED: dict[str, Any] = {
+    "tra_context": [0, 0, 0], "roi_threshold": None, "tea_volume_stats": False, "planned_epochs": None,
+}  # fmt: skip
 
 
 def _setting_differences(

@@ -228,6 +228,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         inferer: Inferer | None = None,
         step_rule: str = "adam",
         mask_out_of_view: bool = False,
+        planned_epochs: int | None = None,
     ) -> None:
         super().__init__(
             policy,
@@ -240,6 +241,7 @@ class TEAPolicyUpdater(PolicyUpdater):
             logit_budget=logit_budget,
             frequency_scaling=estimator == "paired",
             step_rule=step_rule,
+            planned_epochs=planned_epochs,
         )
         self.mask_undrawn = mask_undrawn
         TEA_ESTIMATORS.key(estimator)  # an unknown name: an error listing the valid ones

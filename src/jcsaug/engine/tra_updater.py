@@ -237,10 +237,11 @@ class TRAPolicyUpdater(PolicyUpdater):
         direction: str = "validation",
         start: float = 0.0,
         step_rule: str = "adam",
+        planned_epochs: int | None = None,
     ) -> None:
         super().__init__(
             policy, model, lr, update_every, poly_power, seed, name="TRA", logit_budget=logit_budget,
-            frequency_scaling=estimator == "paired", start=start, step_rule=step_rule,
+            frequency_scaling=estimator == "paired", start=start, step_rule=step_rule, planned_epochs=planned_epochs,
         )  # fmt: skip
         self.mask_undrawn = mask_undrawn
         TRA_ESTIMATORS.key(estimator)  # an unknown name: an error listing the valid ones
