@@ -30,9 +30,12 @@ class WarnAfterSchedule:
         >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         >>> scheduler = torch.optim.lr_scheduler.PolynomialLR(optimizer, total_iters=1)
         >>> engine = Engine(lambda engine, batch: None)
-        >>> WarnAfterSchedule(scheduler).attach(engine)
-        >>> engine.add_event_handler(Events.EPOCH_COMPLETED, lambda engine: scheduler.step())
-        >>> _ = engine.run([0], max_epochs=2)  # epoch 2 starts at learning rate 0: one warning
+        >>> handler = WarnAfterSchedule(scheduler)
+        >>> handler.attach(engine)
+        >>> _ = engine.add_event_handler(Events.EPOCH_COMPLETED, lambda engine: scheduler.step())
+        >>> _ = engine.run([0], max_epochs=2)  # epoch 2 starts at learning rate 0: a warning
+        >>> handler.warned
+        True
     """
 
     def __init__(self, lr_scheduler: object, setting: str = "planned_epochs") -> None:
