@@ -10,7 +10,6 @@ from jcsaug.inference.pipeline import (
 )
 from jcsaug.inference.predict import predict_cases, report_predictions
 from jcsaug.inference.tta import (
-    TTA_BLENDS,
     TTA_INFERERS,
     BlendedTTAInferer,
     MirrorTTAInferer,
@@ -27,7 +26,6 @@ from jcsaug.inference.tta import (
 
 __all__ = [
     "LogitsToSegmentationd",
-    "TTA_BLENDS",
     "TTA_INFERERS",
     "BlendedTTAInferer",
     "MirrorTTAInferer",

@@ -277,14 +277,12 @@ TTA_INFERERS: Registry[Callable[[Inferer | None, TEAPolicyLike, int], Inferer]] 
 TTA_INFERERS.register("none", lambda base, tea_policy, z, **options: NoTTAInferer(base))
 TTA_INFERERS.register("heuristic", lambda base, tea_policy, z, **options: MirrorTTAInferer(base))
 TTA_INFERERS.register("learned", _learned)
-#: blended method -> the registered methods it averages 1:1 (:func:`register_tta_blend`)
-TTA_BLENDS: dict[str, tuple[str, ...]] = {}
 
 
 def register_tta_blend(name: str, members: Sequence[str]) -> None:
-    """Register ``name`` as the 1:1 :class:`BlendedTTAInferer` of the registered methods ``members``;
-    :func:`make_tta_inferers` builds it from the same member inferers it returns, so a caller that predicts with
-    every method (``evaluate_cases``) predicts each member once."""
+    """Register ``name`` as the 1:1 :class:`BlendedTTAInferer` of the registered methods ``members``. Its factory
+    carries them as ``members``, so :func:`make_tta_inferers` builds it from the same member inferers it returns,
+    and a caller that predicts with every method (``evaluate_cases``) predicts each member once."""
     members = tuple(members)
     for member in members:
         get_tta_inferer(member)  # a clear error naming the unknown method, now rather than at the first build
@@ -292,8 +290,8 @@ def register_tta_blend(name: str, members: Sequence[str]) -> None:
     def factory(base: Inferer | None, tea_policy: TEAPolicyLike, z: int, **options) -> BlendedTTAInferer:
         return BlendedTTAInferer([get_tta_inferer(m)(base, tea_policy, z, **options) for m in members])
 
+    factory.members = members
     TTA_INFERERS.register(name, factory)
-    TTA_BLENDS[name] = members
 
 
 #: ``register_tta_inferer(name, factory)`` with ``factory(base_inferer, tea_policy, z) -> Inferer``,
@@ -339,14 +337,15 @@ def make_tta_inferers(
 ) -> dict[str, Inferer]:
     """``{method: make_tta_inferer(method, ...)}``; ``skip_unavailable`` leaves out ``learned`` (and the blends of
     it) when there is no TEA policy (e.g. every registered method a finished run can be evaluated with);
-    ``identity_weight``: see :func:`make_tta_inferer`. A blend (:data:`TTA_BLENDS`) is built from the very member
-    inferers returned beside it, so :meth:`BlendedTTAInferer.combine` can reuse their outputs."""
+    ``identity_weight``: see :func:`make_tta_inferer`. A blend (:func:`register_tta_blend`) is built from the very
+    member inferers returned beside it, so :meth:`BlendedTTAInferer.combine` can reuse their outputs."""
     built: dict[str, Inferer] = {}
 
     def build(method: str) -> Inferer:
         if method not in built:
-            if method in TTA_BLENDS:
-                built[method] = BlendedTTAInferer([build(member) for member in TTA_BLENDS[method]])
+            members = getattr(get_tta_inferer(method), "members", None)  # a blend's (register_tta_blend)
+            if members:
+                built[method] = BlendedTTAInferer([build(member) for member in members])
             else:
                 built[method] = make_tta_inferer(method, base_inferer, tea_policy, z, identity_weight)
         return built[method]
