@@ -10,8 +10,9 @@ from ignite.engine import Engine, Events
 
 from helpers import lesion_batch, tiny_unet, train_engine
 from jcsaug.engine import TEAPolicyUpdater, TRAPolicyUpdater
+from jcsaug.engine.base import PolicyUpdater
 from jcsaug.engine.optim import MaskedAdam
-from jcsaug.policy import make_tea_policy, make_tra_policy
+from jcsaug.policy import CategoricalPolicy, make_tea_policy, make_tra_policy
 
 pytestmark = pytest.mark.method  # all fast; part of the mutation run's test set (tests/README.md)
 
@@ -373,3 +374,75 @@ def test_no_snapshot_during_the_warm_up():
     engine.run([lesion_batch(4, seed=i, tra_policy=policy) for i in range(4)], max_epochs=1)
     assert snapshots == [False, False, False, True]
     assert updater.updates == 1
+
+
+def test_pull_decays_each_selected_entry_towards_its_anchor_by_the_steps_since_its_last_pull():
+    """``pull`` 0.5 with lr 0 (no Adam move): an entry displaced from its value at the first step (its anchor) keeps
+    ``0.5 ** k`` of the displacement, ``k`` the steps since it was last pulled, applied only when it is selected;
+    entries outside the mask keep their value bit for bit."""
+    p = torch.nn.Parameter(torch.tensor([2.0, 2.0, 2.0]))
+    opt = MaskedAdam([p], lr=0.0, pull=0.5)
+    p.grad = torch.zeros(3)
+    opt.step()  # the anchor: the value at the first step
+    with torch.no_grad():
+        p.add_(1.0)  # displaced by 1 from the anchor 2
+    opt.step(mask=torch.tensor([True, False, False]))
+    assert p.tolist() == [2.5, 3.0, 3.0]
+    opt.step(mask=torch.tensor([True, True, False]))
+    assert p.tolist() == [2.25, 2.25, 3.0]  # entry 1: two steps since its last pull at the first one
+    for _ in range(2):
+        opt.step(mask=torch.tensor([False, False, False]))
+    assert p.tolist() == [2.25, 2.25, 3.0]
+    opt.step()  # entry 2: five steps since the first; entries 0 and 1: three since the last
+    assert p.tolist() == pytest.approx([2.0 + 0.25 / 8, 2.0 + 0.25 / 8, 2.0 + 1 / 32])
+    with pytest.raises(ValueError, match="pull"):
+        MaskedAdam([p], pull=1.0)
+
+
+def test_pull_keeps_the_anchor_across_a_checkpoint():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = MaskedAdam([p], lr=0.1, pull=0.2)
+    for _ in range(3):
+        p.grad = torch.randn(4)
+        opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    restored = MaskedAdam([q], lr=0.1, pull=0.2)
+    restored.load_state_dict(opt.state_dict())
+    p.grad, q.grad = torch.ones(4), torch.ones(4)
+    opt.step()
+    restored.step()
+    assert torch.equal(q, p) and torch.equal(restored.state[q]["anchor"], torch.zeros(4))
+
+
+def test_a_pull_fades_early_credit_back_to_the_preset_over_the_planned_run():
+    """``pull`` in e-folds over the planned run: the optimiser's rate per update is ``r = 1 - exp(-pull / updates)``,
+    and, Adam's steps not depending on the logit, the pulled logit ends at ``sum_k step_k (1 - r) ** (N - k)``: a step
+    taken at the run's share ``t`` counts ``exp(-pull (1 - t))``. Credit given in the first half only (a gradient
+    of one sign, then of alternating signs) fades back towards the initial logit; without the pull it stays."""
+    from test_method_equations import _GivenGradient
+
+    def gradient(t: int) -> tuple[list[float], list[bool]]:
+        return [0.0, -1.0 if t <= 20 else (-1.0) ** t], [False, True]
+
+    def run(pull: float) -> tuple[list[float], PolicyUpdater]:
+        policy = CategoricalPolicy([2])
+        updater = _GivenGradient(policy, gradient, lr=0.1, update_every=1, poly_power=0.0, pull=pull)
+        engine = Engine(lambda e, b: None)
+        trajectory = [0.0]
+        engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e: trajectory.append(policy.logits[0, 1].item()))
+        updater.attach(engine)
+        engine.run(range(10), max_epochs=4)  # 40 updates
+        return trajectory, updater
+
+    free, updater = run(0.0)
+    assert free[20] > 1.5 and free[-1] > 0.8 * free[20] and "pull" not in updater.resume_settings()
+    pulled, updater = run(2.0)
+    rate = -math.expm1(-2.0 / 40)
+    assert updater.optimizer.param_groups[0]["pull"] == pytest.approx(rate)
+    steps = [b - a for a, b in zip(free, free[1:])]
+    expected = sum(step * (1 - rate) ** (40 - k) for k, step in enumerate(steps, start=1))
+    assert pulled[-1] == pytest.approx(expected, rel=1e-4) and pulled[-1] < 0.5 * free[-1]
+    assert updater.resume_settings()["pull"] == 2.0
+    with pytest.raises(ValueError, match="pull"):
+        _GivenGradient(CategoricalPolicy([2]), gradient, lr=0.1, pull=-1.0)

@@ -95,6 +95,7 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tra_start", 1, "must be a number in [0, 1) (the share of the run before the first update)"),
         ("tra_start", -0.25, "must be a number in [0, 1) (the share of the run before the first update)"),
         ("tra_lookahead", 0.5, "must be a finite number >= 1"),
+        ("tra_pull", -1, "must be a finite number >= 0"),
         ("val_average", 0, "must be a number in (0, 1]"),
         ("val_average", 1.5, "must be a number in (0, 1]"),
         ("cache_rate", 2, "must be a number in [0, 1]"),

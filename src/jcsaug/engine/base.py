@@ -220,6 +220,11 @@ class PolicyUpdater(ABC):
             effects of pure noise leave the ops' probabilities where they are in expectation (with the others noise
             alone makes the rare ops likelier: ``benchmarks/bench_step_noise.py``; with a constant β the synthetic
             bundle's default since 2026-11-30; all in ``benchmarks/README.md``).
+        pull: how far the logits fade back to their initial values over the planned run, in e-folds (0: never):
+            before each step, every logit the step moves first decays towards its initial value at a rate of
+            ``1 - exp(-pull / planned updates)`` per update (:class:`~jcsaug.engine.optim.MaskedAdam` ``pull``), so
+            at the end of the run a step taken at its share ``t`` counts ``exp(-pull * (1 - t))``: credit that the
+            first epochs gave an op and later ones do not confirm fades back towards the preset.
         seed: seed of the update's own random stream (Gumbel noise, TEA op draws); each rank of a distributed
             run adds its rank, so the ranks draw different ops.
         name: used in logs and TensorBoard tags.
@@ -259,6 +264,7 @@ class PolicyUpdater(ABC):
         start: float = 0.0,
         step_rule: str = "adam",
         planned_epochs: int | None = None,
+        pull: float = 0.0,
     ) -> None:
         if update_every < 1:
             raise ValueError(f"update_every must be >= 1, got {update_every}")
@@ -270,6 +276,8 @@ class PolicyUpdater(ABC):
             raise ValueError(f"poly_power must be finite and >= 0 (0: a constant learning rate), got {poly_power}")
         if not 0.0 <= start < 1.0:
             raise ValueError(f"start must be a share of the run in [0, 1), got {start}")
+        if not math.isfinite(pull) or pull < 0:
+            raise ValueError(f"pull must be finite and >= 0 (e-folds over the run; 0: none), got {pull}")
         if planned_epochs is not None and (isinstance(planned_epochs, bool) or int(planned_epochs) != planned_epochs
                                            or planned_epochs < 1):  # fmt: skip
             raise ValueError(f"planned_epochs must be None or an integer >= 1, got {planned_epochs!r}")
@@ -293,6 +301,9 @@ class PolicyUpdater(ABC):
         self.start = float(start)
         # (checkpoints saved before these were recorded ran with 0 and Adam: resume.UPDATER_SETTINGS_BEFORE_SAVED)
         self._settings.update(start=self.start, step_rule=self.step_rule)
+        self.pull = float(pull)
+        if self.pull:  # saved only when set, so the checkpoints of every run without it are unchanged
+            self._settings["pull"] = self.pull
         self.updates = 0
         self.skipped = 0
         self.skip_reasons: Counter[str] = Counter()  # reason -> how many updates it skipped
@@ -338,9 +349,13 @@ class PolicyUpdater(ABC):
         """With a ``logit_budget``: the base lr from the run's planned updates (see the class docstring).
 
         Checks first that the run's length is known when the schedule needs it (a poly decay or a budget)."""
-        if self.logit_budget is None and self.poly_power == 0 and not self.start:
+        if self.logit_budget is None and self.poly_power == 0 and not self.start and not self.pull:
             return  # a constant lr from the first iteration: the run's length does not matter
         total = self._total_iterations(engine)  # raises, naming the fix, before the first iteration rather than later
+        if self.pull:
+            rate = -math.expm1(-self.pull / max(len(self._planned_update_iterations(total)), 1))
+            for group in self.optimizer.param_groups:
+                group["pull"] = rate
         if self.logit_budget is None:
             return
         self.base_lr = self.lr_for_budget(self.logit_budget, total)
@@ -349,13 +364,18 @@ class PolicyUpdater(ABC):
     def lr_for_budget(self, budget: float, total_iterations: int) -> float:
         """The base lr whose poly-decayed values over this updater's planned updates sum to ``budget``."""
         total = max(total_iterations, 1)
-        if self.update_every > total:  # no update planned (and torch.arange refuses a range that ends before it starts)
-            return 0.0
-        steps = torch.arange(self.update_every, total + 1, self.update_every, dtype=torch.float64)
-        steps = steps[steps >= self._first_iteration(total)]  # none during a warm-up (``start``)
+        steps = self._planned_update_iterations(total)
         if steps.numel() == 0:
             return 0.0
         return float(budget / ((1.0 - (steps - 1) / total) ** self.poly_power).sum())  # every term > 0: steps <= total
+
+    def _planned_update_iterations(self, total_iterations: int) -> torch.Tensor:
+        """The iterations (1-based, float64) at which the planned run updates the policy, after any warm-up."""
+        total = max(total_iterations, 1)
+        if self.update_every > total:  # no update planned (and torch.arange refuses a range that ends before it starts)
+            return torch.zeros(0, dtype=torch.float64)
+        steps = torch.arange(self.update_every, total + 1, self.update_every, dtype=torch.float64)
+        return steps[steps >= self._first_iteration(total)]  # none during a warm-up (``start``)
 
     def warming_up(self, engine: Engine, iteration: int | None = None) -> bool:
         """Whether the engine's current iteration (or ``iteration``, 1-based) comes before the first update (see

@@ -313,6 +313,7 @@ class AugmentationSetup:
         tra_step: str = "adam",
         tra_meta_mode: str = "eval",
         planned_epochs: int | None = None,
+        tra_pull: float = 0.0,
     ) -> PolicyUpdaters:
         """Step 2: the handlers that learn the policies of this mode (possibly none), with their checkpoint items.
 
@@ -338,7 +339,8 @@ class AugmentationSetup:
         ``tra_meta_mode``: the TRA updater's ``meta_mode`` (``"eval"``; ``"train"``: its extra passes in training
         mode, as the reference's code runs them: a U-Net's deep-supervision heads, BatchNorm's batch statistics).
         ``planned_epochs``: the epochs both updaters plan their learning rates over (None: the trainer's
-        ``max_epochs``; see :class:`~jcsaug.engine.base.PolicyUpdater`)."""
+        ``max_epochs``; see :class:`~jcsaug.engine.base.PolicyUpdater`). ``tra_pull``: the TRA updater's ``pull``
+        (e-folds over the run by which its logits fade back to the preset; 0: none)."""
         tra = tea = None
         if self.learn_tra:
             tra = TRAPolicyUpdater(
@@ -349,6 +351,7 @@ class AugmentationSetup:
                 val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
                 lookahead=tra_lookahead, direction=tra_direction, poly_power=tra_poly_power,
                 start=tra_start, step_rule=tra_step, meta_mode=tra_meta_mode, planned_epochs=planned_epochs,
+                pull=tra_pull,
             )  # fmt: skip
         if self.learn_tea:
             tea = TEAPolicyUpdater(

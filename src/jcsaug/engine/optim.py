@@ -45,6 +45,13 @@ class MaskedAdam(torch.optim.Optimizer):
     large steps crushed a helpful op to probability 1e-13. An entry near probability 0.5 (a two-op series), where
     the logistic is not convex, is pushed down a little.
 
+    With ``pull > 0`` each selected entry first moves towards its *anchor*, its value when the optimiser first
+    stepped the tensor (a policy's initial logits), by a share ``1 - (1 - pull)**k`` of the distance, ``k`` the
+    tensor's steps since the entry was last pulled: a decay at rate ``pull`` per step (a decoupled weight decay
+    towards the anchor, as AdamW's towards 0), applied when the entry is next selected, so entries outside the mask
+    still keep their value. The displacement is then an average of the steps that weighs the recent ones most (a
+    step ``k`` steps ago counts ``(1 - pull)**k``): what early steps credited and no later one confirms fades back.
+
     Why by hand: ``torch.optim.Adam`` moves every entry through its first moment even where the gradient is
     zero (a masked logit kept moving by up to 67 % of a full step), and ``torch.optim.SparseAdam`` counts one
     step per tensor, so an entry first updated at step 100 gets a bias correction for 100 steps it never took
@@ -73,6 +80,7 @@ class MaskedAdam(torch.optim.Optimizer):
         row_blocks: Sequence[int] | None = None,
         convexity_correction: bool = False,
         correction_clip: float = 1.0,
+        pull: float = 0.0,
     ) -> None:
         if lr < 0:
             raise ValueError(f"learning rate must be >= 0, got {lr}")
@@ -80,6 +88,8 @@ class MaskedAdam(torch.optim.Optimizer):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if max_scale < 1:
             raise ValueError(f"max_scale must be >= 1, got {max_scale}")
+        if not 0.0 <= pull < 1.0:
+            raise ValueError(f"pull must be in [0, 1) (a share of the distance to the anchor per step), got {pull}")
         if not correction_clip > 0:
             raise ValueError(f"correction_clip must be > 0, got {correction_clip}")
         if second_moment not in ("entry", "row"):
@@ -93,7 +103,7 @@ class MaskedAdam(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "frequency_scaling": bool(frequency_scaling),
                     "max_scale": float(max_scale), "second_moment": second_moment,
                     "row_blocks": row_blocks, "convexity_correction": bool(convexity_correction),
-                    "correction_clip": float(correction_clip)}  # fmt: skip
+                    "correction_clip": float(correction_clip), "pull": float(pull)}  # fmt: skip
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -112,10 +122,15 @@ class MaskedAdam(torch.optim.Optimizer):
             state["step"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["anchor"] = p.detach().clone(memory_format=torch.preserve_format)  # pulled towards (``pull``)
+            state["pulled"] = torch.zeros_like(p, dtype=torch.float64)  # the tensor's steps at each entry's last pull
         elif state["step"].shape != p.shape:  # a checkpoint of torch.optim.Adam: one step count per tensor
             state["calls"] = torch.tensor(float(state["step"]), dtype=torch.float64)
             state["step"] = torch.full_like(p, float(state["step"]))
         state.setdefault("calls", state["step"].max().double())
+        if "anchor" not in state:  # a state saved before the pull: its anchor is lost, the value now stands for it
+            state["anchor"] = p.detach().clone(memory_format=torch.preserve_format)
+            state["pulled"] = torch.full_like(p, float(state["calls"]), dtype=torch.float64)
         return state
 
     @torch.no_grad()
@@ -138,6 +153,8 @@ class MaskedAdam(torch.optim.Optimizer):
                 sel = torch.ones_like(p, dtype=torch.bool) if mask is None else mask.to(p.device, torch.bool)
                 state = self._state_of(p)
                 grad = p.grad
+                if group.get("pull", 0.0) > 0:
+                    self._pull(p, state, sel, group["pull"])
                 step = torch.where(sel, state["step"] + 1, state["step"])
                 exp_avg = torch.where(sel, state["exp_avg"] * beta1 + (1 - beta1) * grad, state["exp_avg"])
                 safe_step = step.clamp(min=1)  # entries never stepped: any value, they are masked out below
@@ -171,6 +188,15 @@ class MaskedAdam(torch.optim.Optimizer):
                 if row_wise:
                     state["row_step"] = row_step  # how many steps each row (block) took: its own bias correction
         return loss
+
+    @staticmethod
+    def _pull(p: torch.Tensor, state: dict, sel: torch.Tensor, pull: float) -> None:
+        """Move the selected entries towards their anchor by the decay of the steps since their last pull."""
+        elapsed = state["calls"] + 1 - state["pulled"]  # this step included
+        keep = ((1.0 - pull) ** elapsed).to(p.dtype)
+        anchor = state["anchor"].to(p.device)
+        p.copy_(torch.where(sel, anchor + (p - anchor) * keep, p))
+        state["pulled"] = torch.where(sel.to(state["pulled"].device), state["calls"] + 1, state["pulled"])
 
     @staticmethod
     def _row_second_moment(

@@ -361,6 +361,7 @@ def _validators() -> dict[str, Any]:
         "tea_poly_power": _at_least(0),
         "tra_poly_power": _at_least(0),
         "tra_start": _start_share,
+        "tra_pull": _at_least(0),
         "tra_lookahead": _at_least(1),
         "val_average": _fraction(low_open=True),
         "cache_rate": _fraction(low_open=False),

@@ -222,9 +222,10 @@ def _differences(
 
 #: a policy updater's setting -> the value every run had before the setting was saved in ``resume.pt`` (a file
 #: without it ran with that value, so a resume asking another is refused rather than silently changing the run).
-#: Until 2026-12-01 the start, step rule and the TEA's scoring settings were saved only when not the default.
+#: Until 2026-12-01 the start, step rule and the TEA's scoring settings were saved only when not the default; the
+#: TRA's ``pull`` is saved only when not 0.
 UPDATER_SETTINGS_BEFORE_SAVED: dict[str, Any] = {
-    "direction": "validation", "start": 0.0, "step_rule": "adam",
+    "direction": "validation", "start": 0.0, "step_rule": "adam", "pull": 0.0,
     "background_patches": 0, "op_score": "alone", "mask_out_of_view": False, "inferer": None,
 }  # fmt: skip
 

@@ -176,6 +176,8 @@ class TRAPolicyUpdater(PolicyUpdater):
         start: the share of the run before the first update (a warm-up; see :class:`PolicyUpdater`).
         step_rule: how the op effects move the logits, a name of :data:`~jcsaug.engine.base.POLICY_STEPS`
             (paired only; see :class:`PolicyUpdater`).
+        pull: how far the logits fade back to the initial policy (the preset) over the run, in e-folds (0: never;
+            see :class:`PolicyUpdater`).
 
     Example: attached to your own Ignite loop (batches from a pipeline with ``ClassGroupd`` and ``TRACascaded``,
     which record ``class_group`` and ``tra_ops``)::
@@ -238,10 +240,12 @@ class TRAPolicyUpdater(PolicyUpdater):
         start: float = 0.0,
         step_rule: str = "adam",
         planned_epochs: int | None = None,
+        pull: float = 0.0,
     ) -> None:
         super().__init__(
             policy, model, lr, update_every, poly_power, seed, name="TRA", logit_budget=logit_budget,
             frequency_scaling=estimator == "paired", start=start, step_rule=step_rule, planned_epochs=planned_epochs,
+            pull=pull,
         )  # fmt: skip
         self.mask_undrawn = mask_undrawn
         TRA_ESTIMATORS.key(estimator)  # an unknown name: an error listing the valid ones
