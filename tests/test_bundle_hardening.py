@@ -364,17 +364,20 @@ def test_tea_poly_power_reaches_the_tea_updater_only(monkeypatch, tmp_path, data
 
 
 @pytest.mark.parametrize(
-    ("overrides", "poly_power", "start"), [({}, 0.0, 0.0), ({"tra_poly_power": 0.9, "tra_start": 0.25}, 0.9, 0.25)]
+    ("overrides", "poly_power", "start", "pull"),
+    [({}, 0.0, 0.0, 0.0), ({"tra_poly_power": 0.9, "tra_start": 0.25, "tra_pull": 2}, 0.9, 0.25, 2.0)],
 )
-def test_tra_poly_power_and_start_reach_the_tra_updater_only(
-    monkeypatch, tmp_path, dataset, overrides, poly_power, start
+def test_tra_poly_power_start_and_pull_reach_the_tra_updater_only(
+    monkeypatch, tmp_path, dataset, overrides, poly_power, start, pull
 ):
-    """The synthetic bundle's TRA keeps beta constant (issue 10: measured; the paper decays it, poly 0.9) and learns
-    from the first iteration by default; the overrides reach the TRA updater (and its resume settings) only."""
+    """The synthetic bundle's TRA keeps beta constant (issue 10: measured; the paper decays it, poly 0.9), learns
+    from the first iteration and pulls nothing back to the preset by default; the overrides reach the TRA updater
+    (and its resume settings) only."""
     updaters = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser.get_parsed_content("policy_updaters")
-    assert (updaters.tra.poly_power, updaters.tra.start) == (poly_power, start)
-    assert (updaters.tea.poly_power, updaters.tea.start) == (0.0, 0.0)
+    assert (updaters.tra.poly_power, updaters.tra.start, updaters.tra.pull) == (poly_power, start, pull)
+    assert (updaters.tea.poly_power, updaters.tea.start, updaters.tea.pull) == (0.0, 0.0, 0.0)
     assert updaters.tra.resume_settings().get("start", 0.0) == start
+    assert updaters.tra.resume_settings().get("pull", 0.0) == pull
 
 
 @pytest.mark.parametrize(
