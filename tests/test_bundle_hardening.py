@@ -505,7 +505,8 @@ def test_the_synthetic_bundle_post_processes_the_classes_keep_largest_component_
     parser.get_parsed_content("evaluate")
     assert seen["keep_largest_component"] == parser.get_parsed_content("largest_component_classes") == expected
     shared = ConfigParser.load_config_files([str(CONFIGS / "evaluate.yaml"), str(CONFIGS / "inference.yaml")])
-    assert all("keep_largest_component=@largest_component_classes" in shared[k] for k in ("evaluate", "postprocessing"))
+    assert "keep_largest_component=@largest_component_classes" in shared["postprocessing"]
+    assert shared["validate"]["evaluator"]["keep_largest_component"] == "@largest_component_classes"
 
 
 def test_a_class_the_bundle_does_not_have_is_refused_before_the_run(monkeypatch, tmp_path, dataset):

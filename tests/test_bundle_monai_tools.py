@@ -12,7 +12,11 @@
   the property is what the run trains, schedules and records;
 * every ``inference.yaml`` (merged on its ``train.yaml``) has MONAI's inference-workflow properties, and a
   ``ConfigWorkflow(workflow_type="infer")`` of the synthetic bundle runs its ``SupervisedEvaluator``, saving what the
-  network and the inferer predict on each test volume's own grid.
+  network and the inferer predict on each test volume's own grid;
+* every ``evaluate.yaml`` (merged on its ``train.yaml``) has MONAI's properties of an evaluation workflow and MONAI's
+  validation ids of a training workflow; ``ConfigWorkflow(workflow_type="eval")`` of the synthetic bundle scores
+  every method as ``evaluate_cases`` does and hands the figures to a handler of the user's; MONAI FL's ``MonaiAlgo``
+  evaluates the server's weights with it.
 """
 
 from __future__ import annotations
@@ -291,3 +295,110 @@ def test_an_inference_workflow_saves_what_the_network_predicts(tmp_path):
         assert written.get_data_dtype() == np.uint8
         np.testing.assert_allclose(written.affine, image.affine, atol=1e-5)
         np.testing.assert_array_equal(np.asarray(written.dataobj), logits.argmax(1)[0].numpy())
+
+
+def _evaluation_files(bundle: str) -> tuple[list[str], str]:
+    config, meta = _files(bundle)
+    return [config, str(Path(config).with_name("evaluate.yaml"))], meta
+
+
+@pytest.mark.parametrize("bundle", ALL_BUNDLES)
+def test_evaluation_properties_are_at_monais_ids(bundle):
+    """``evaluate.yaml`` on its ``train.yaml``: the required properties of an evaluation workflow
+    (``workflow_type="eval"``) are in the config, and MONAI's validation ids of a training workflow (what MONAI FL's
+    ``MonaiAlgo`` reads for its evaluation: ``validate#evaluator``, ...) refer to one another where MONAI looks."""
+    files, meta = _evaluation_files(bundle)
+    workflow = ConfigWorkflow(config_file=files, meta_file=meta, logging_file=False, workflow_type="eval")
+    required = [p[BundlePropertyConfig.ID] for p in InferProperties.values() if p[BundleProperty.REQUIRED]]
+    assert [i for i in required if i not in workflow.parser] == []
+    assert all(workflow._check_optional_id(name, p) for name, p in workflow.properties.items())
+    assert workflow.parser["evaluator"] == "@validate#evaluator"
+    as_training = ConfigWorkflow(config_file=files, meta_file=meta, logging_file=False, workflow_type="train")
+    assert all(as_training._check_optional_id(name, p) for name, p in as_training.properties.items())
+    evaluator = workflow.parser["validate#evaluator"]
+    assert evaluator["_target_"] == "jcsaug.evaluation.CaseEvaluator"
+    # (as expressions, which MONAI's check of the ids skips: MONAI >= 1.4 compares them as text with "::")
+    assert evaluator["val_handlers"] == "$@validate#handlers" and evaluator["inferers"] == "@validate#inferer"
+    assert workflow.parser["validate#dataloader#dataset"] == "$@validate#dataset"
+    assert workflow.parser["validate#dataset#transform"] == "$@validate#preprocessing"
+
+
+def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(tmp_path):
+    """The synthetic bundle's evaluation as MONAI drives an evaluation bundle: ``check_properties`` finds nothing
+    missing, ``run`` loads the run's checkpoint and writes ``metrics_evaluate.json``, the evaluator's state holds
+    each method's mean Dice, and a handler added to ``validate#handlers`` (MONAI's ``StatsHandler``) runs with it.
+    The figures are those of ``evaluate_cases`` on the checkpoint's network."""
+    from monai.handlers import StatsHandler
+
+    from jcsaug.evaluation import CaseEvaluator, evaluate_cases
+
+    small_dataset(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    files, meta = _evaluation_files("synthetic_lesion")
+    network = _checkpoint(bundle_parser("synthetic_lesion"), run / "checkpoint_final_iteration=1.pt")
+    handlers = ["@validate#metrics", {"_target_": "StatsHandler", "iteration_log": False, "name": "evaluation"}]
+    workflow = ConfigWorkflow(
+        config_file=files, meta_file=meta, logging_file=False, workflow_type="eval",
+        dataset_dir=str(tmp_path / "data"), output_dir=str(run), num_workers=0, **{"validate#handlers": handlers},
+    )  # fmt: skip
+    workflow.initialize()
+    assert workflow.check_properties() == []
+    as_training = ConfigWorkflow(
+        config_file=files, meta_file=meta, logging_file=False, workflow_type="train",
+        dataset_dir=str(tmp_path / "data"), output_dir=str(run), num_workers=0,
+    )  # fmt: skip
+    as_training.initialize()
+    assert as_training.check_properties() == [] and isinstance(as_training.evaluator, CaseEvaluator)
+    assert isinstance(workflow.evaluator, CaseEvaluator) and workflow.evaluator.methods == ["heuristic", "none"]
+    assert workflow.dataset is workflow.parser.get_parsed_content("validate#dataset")
+    assert isinstance(workflow.parser.get_parsed_content("validate#handlers")[1], StatsHandler)
+    workflow.run()
+    written = json.loads((run / "metrics_evaluate.json").read_text())
+    reported = {f"{m}_mean_dice": written[m]["mean_dice"] for m in ("none", "heuristic")}
+    assert workflow.evaluator.state.metrics == reported
+    parser = workflow.parser
+    expected = evaluate_cases(network, parser.get_parsed_content("test_files"), parser.get_parsed_content("load"),
+                              parser.get_parsed_content("validate#inferer"), 2, progress=False)  # fmt: skip
+    assert reported == pytest.approx({f"{m}_mean_dice": r["mean_dice"] for m, r in expected.items()})
+
+
+def test_monai_fl_evaluates_the_servers_weights_with_evaluate_yaml(tmp_path):
+    """MONAI FL's client with the bundle's evaluation config (``train.yaml`` + ``evaluate.yaml``, as MonaiAlgo's
+    default ``config_evaluate_filename``): ``evaluate`` scores the server's weights on the test split and returns
+    each method's mean Dice (those of ``evaluate_cases`` on a network with the server's weights), and weights that
+    predict background only score 0."""
+    from monai.fl.client import MonaiAlgo
+    from monai.fl.utils.constants import WeightType
+    from monai.fl.utils.exchange_object import ExchangeObject
+
+    from jcsaug.evaluation import evaluate_cases
+
+    small_dataset(tmp_path)
+    settings = dict(dataset_dir=str(tmp_path / "data"), output_dir=str(tmp_path / "run"), patch_size=[24, 24, 24],
+                    plots=False, epoch_length=1, num_workers=0)  # fmt: skip
+    algo = MonaiAlgo(bundle_root=str(BUNDLES / "synthetic_lesion"), config_train_filename="configs/train.yaml",
+                     train_kwargs=settings, config_evaluate_filename=["configs/train.yaml", "configs/evaluate.yaml"],
+                     eval_kwargs=settings)  # fmt: skip
+    with pytest.warns(UserWarning, match="provisioned by the FL system"):
+        algo.initialize(extra={"client_name": "site1", "app_root": str(tmp_path)})
+    parser = algo.eval_workflow.parser
+    network = parser.get_parsed_content("network_def")
+    results = []
+    for background in (False, True):  # the network's weights; then with a last bias that predicts background only
+        torch.manual_seed(0)
+        weights = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v
+                   for k, v in network.state_dict().items()}  # fmt: skip
+        if background:
+            last_bias = [k for k, v in weights.items() if k.endswith("bias") and v.shape == (2,)][-1]
+            weights[last_bias] = torch.tensor([50.0, -50.0])
+        result = algo.evaluate(ExchangeObject(weights=weights, weight_type=WeightType.WEIGHTS)).metrics
+        check = bundle_parser("synthetic_lesion").get_parsed_content("network_def")  # a network of its own
+        check.load_state_dict(weights)
+        expected = evaluate_cases(check, parser.get_parsed_content("test_files"), parser.get_parsed_content("load"),
+                                  parser.get_parsed_content("validate#inferer"), 2, progress=False)  # fmt: skip
+        assert set(result) == {"none_mean_dice", "heuristic_mean_dice"}
+        assert result == pytest.approx({f"{m}_mean_dice": r["mean_dice"] for m, r in expected.items()})
+        results.append(dict(result))  # (the evaluator's state.metrics: the same dict every round)
+    assert results[1] == {"none_mean_dice": 0.0, "heuristic_mean_dice": 0.0} != results[0]
+    algo.finalize()

@@ -380,9 +380,10 @@ def test_evaluation_and_prediction_move_the_network_to_their_device(tmp_path):
 
     data = {"image": torch.ones(1, 4, 4, 4), "label": torch.ones(1, 4, 4, 4)}
     network = _DeviceSpy()
-    evaluate_cases(network, [{"image": "x"}], lambda e: data, {"none": SimpleInferer()}, 2, device="cpu",
-                   spacing=1.0, progress=False)  # fmt: skip
-    assert network.moved_to == [torch.device("cpu")] and not network.training
+    evaluate_cases(network, [{"image": "x"}, {"image": "y"}], lambda e: data, {"none": SimpleInferer()}, 2,
+                   device="cpu", spacing=1.0, progress=False)  # fmt: skip
+    assert network.moved_to == [torch.device("cpu")] and network.trained_while_predicting == [False, False]
+    assert network.training  # (the evaluator, as MONAI's, gives the network back in the mode it was in)
 
     path = tmp_path / "case.nii.gz"
     nib.save(nib.Nifti1Image(np.ones((4, 4, 4), np.float32), np.eye(4)), path)
@@ -533,3 +534,61 @@ def test_saved_predictions_keep_the_largest_component_of_the_chosen_classes(tmp_
             predict_cases(_OneHot(), [{"image": str(path)}], SimpleInferer(), tmp_path / "bad", progress=False,
                           keep_largest_component=value)  # fmt: skip
         assert not list(tmp_path.glob("bad/*"))
+
+
+def test_the_evaluation_is_a_monai_evaluator_whose_handlers_see_each_methods_mean_dice(tmp_path):
+    """``evaluate_cases`` is a :class:`CaseEvaluator` run with :class:`CaseMetrics`: built by hand (as evaluate.yaml
+    builds them), a handler attached after ``CaseMetrics`` reads ``<method>_mean_dice`` from the state's metrics, as
+    MONAI's ``StatsHandler`` and MONAI FL do; each value is the mean Dice of the metrics file."""
+    from ignite.engine import Events
+    from monai.data import DataLoader
+
+    from jcsaug.evaluation import CaseEvaluator, CaseMetrics, EvaluationCases, one_case
+
+    label = torch.zeros(1, 8, 8, 8)
+    label[0, 2:6, 2:6, 2:6] = 1
+    data = {"image": label * 2 - 1, "label": label}
+    out = tmp_path / "metrics.json"
+    metrics = CaseMetrics(out)
+    seen: dict = {}
+
+    class Reader:
+        def attach(self, engine):
+            engine.add_event_handler(Events.EPOCH_COMPLETED, lambda e: seen.update(e.state.metrics))
+
+    loader = DataLoader(EvaluationCases([{"image": "a"}, {"image": "b"}], lambda e: data), batch_size=1,
+                        collate_fn=one_case)  # fmt: skip
+    evaluator = CaseEvaluator("cpu", loader, _Oracle(), {"none": SimpleInferer(), "empty": _EmptyInferer()}, 2,
+                              spacing=1.0, val_handlers=[metrics, Reader()])  # fmt: skip
+    assert evaluator.methods == ["none", "empty"]
+    evaluator.run()
+    assert seen == {"none_mean_dice": 1.0, "empty_mean_dice": 0.0}
+    written = json.loads(out.read_text())
+    assert {m: written[m]["mean_dice"] for m in ("none", "empty")} == {"none": 1.0, "empty": 0.0}
+    assert metrics.metrics["none"]["per_case"][1]["case"] == "b"
+    evaluator.run()  # a second evaluation (MONAI FL evaluates every round) starts from no cases
+    assert len(metrics.metrics["none"]["per_case"]) == 2
+
+
+def test_the_evaluators_settings_are_checked_before_any_case_is_segmented():
+    """A class subset, a largest-component class, an empty method list or no cases: refused when the evaluator is
+    built (before hours of inference), naming the value; ``CaseMetrics`` only gathers a ``CaseEvaluator``'s cases."""
+    from monai.data import DataLoader
+    from monai.engines import SupervisedEvaluator
+
+    from jcsaug.evaluation import CaseEvaluator, CaseMetrics, EvaluationCases, one_case
+
+    def loader(n=1):
+        return DataLoader(EvaluationCases([{"image": "a"}] * n, lambda e: {}), batch_size=1, collate_fn=one_case)
+
+    methods = {"none": SimpleInferer()}
+    with pytest.raises(ValueError, match=r"report_classes\['x'\] = \[2\]"):
+        CaseEvaluator("cpu", loader(), _Oracle(), methods, 2, val_handlers=[CaseMetrics(report_classes={"x": [2]})])
+    with pytest.raises(ValueError, match="class 3"):
+        CaseEvaluator("cpu", loader(), _Oracle(), methods, 3, keep_largest_component=[3])
+    with pytest.raises(ValueError, match="inferers is empty"):
+        CaseEvaluator("cpu", loader(), _Oracle(), {}, 2)
+    with pytest.raises(ValueError, match="no cases to evaluate"):
+        CaseEvaluator("cpu", loader(0), _Oracle(), methods, 2)
+    with pytest.raises(TypeError, match="SupervisedEvaluator"):
+        SupervisedEvaluator("cpu", loader(), _Oracle(), val_handlers=[CaseMetrics()])

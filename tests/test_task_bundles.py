@@ -184,9 +184,9 @@ def test_every_bundle_evaluates_with_its_reported_classes():
     """Defect 4: the evaluation (train.yaml and the shared evaluate.yaml) gets the task's report_classes, so
     metrics.json has e.g. the KiTS tumour Dice; the synthetic bundle, which shares evaluate.yaml, has none."""
     for task in TASK_NAMES:
-        for extra in ((), ("evaluate.yaml",)):
+        for extra, where in (((), "evaluate"), (("evaluate.yaml",), "validate#metrics#report_classes")):
             parser = bundle_parser(task, *extra)
-            assert "report_classes=@report_classes" in parser["evaluate"], (task, extra)
+            assert "@report_classes" in parser[where], (task, extra)
             assert parser.get_parsed_content("report_classes") == get_task(task).report_classes
     assert dict(get_task("kits19_tumor").report_classes) == {"tumour": (2,)}
     synthetic = ConfigParser()
@@ -212,13 +212,13 @@ def test_keep_largest_component_task_takes_the_tasks_classes_in_every_merged_con
     """``--keep_largest_component task | true | "[2]"``: the evaluation after training, evaluate.yaml and
     inference.yaml post-process the same classes (``largest_component_classes``); false by default (the paper)."""
     for task in TASK_NAMES:
-        for extra, target in (
-            ((), "evaluate"),
-            (("evaluate.yaml",), "evaluate"),
-            (("inference.yaml",), "postprocessing"),
+        for extra, target, reference in (
+            ((), "evaluate", "keep_largest_component=@largest_component_classes"),
+            (("evaluate.yaml",), "validate#evaluator#keep_largest_component", "@largest_component_classes"),
+            (("inference.yaml",), "postprocessing", "keep_largest_component=@largest_component_classes"),
         ):
             parser = bundle_parser(task, *extra, keep_largest_component="task")
-            assert "keep_largest_component=@largest_component_classes" in parser[target], (task, extra)
+            assert reference in parser[target], (task, extra)
             classes = parser.get_parsed_content("largest_component_classes")
             assert classes == get_task(task).single_component_classes, (task, extra)
     kits = [bundle_parser("kits19_tumor", "evaluate.yaml", keep_largest_component=value).get_parsed_content(

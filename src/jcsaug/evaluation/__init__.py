@@ -1,5 +1,6 @@
 """Evaluation of segmentations: per-case metrics, summaries and the comparison report."""
 
+from jcsaug.evaluation.evaluator import CaseEvaluator, CaseMetrics, EvaluationCases, evaluate_cases, one_case
 from jcsaug.evaluation.metrics import (
     HIGHER_IS_BETTER,
     METRICS,
@@ -17,10 +18,13 @@ from jcsaug.evaluation.postprocessing import (
     resolve_component_classes,
 )
 from jcsaug.evaluation.report import Report, ReportError, build_report, build_report_parser, run_report
-from jcsaug.evaluation.segmentation import case_dice, case_spacing, evaluate_cases, label_map_dice, per_case_csv
+from jcsaug.evaluation.segmentation import case_dice, case_spacing, label_map_dice, per_case_csv
 from jcsaug.evaluation.splits import EVALUATION_SPLITS, evaluation_file_names, evaluation_split
 
 __all__ = [
+    "CaseEvaluator",
+    "CaseMetrics",
+    "EvaluationCases",
     "EVALUATION_SPLITS",
     "HIGHER_IS_BETTER",
     "METRICS",
@@ -40,6 +44,7 @@ __all__ = [
     "evaluation_split",
     "label_map_dice",
     "largest_connected_component",
+    "one_case",
     "parse_component_classes",
     "per_case_csv",
     "read_component_classes",

@@ -1,10 +1,12 @@
-"""Evaluate a segmentation network on whole cases with one or more (TTA) inferers.
+"""Scoring whole cases segmented with one or more (TTA) inferers, and the files that hold the scores.
 
-Writes ``metrics.json`` (per method: mean Dice, over all foreground classes and over the class subsets a task
-reports, per-metric summaries, per-case values, failed cases) and a per-case, per-class ``per_case.csv`` (the input
-of ``jcsaug report``). A case that cannot be loaded or segmented is recorded with its error and the others are
-evaluated (the error comes after the files are written). Metric conventions for empty masks are those of
-:mod:`jcsaug.evaluation.metrics`; undefined values are NaN in memory and in the CSV, ``null`` in JSON.
+:func:`score_case` predicts one loaded case with every inferer (a blend's members once: :class:`MemberOutputs`) and
+scores it; :func:`summarize_methods` turns the cases' rows into each method's metrics (mean Dice, over all foreground
+classes and over the class subsets a task reports, per-metric summaries, per-case values, failed cases);
+:func:`write_metrics` writes them as ``metrics.json`` and the per-case, per-class ``per_case.csv`` (the input of
+``jcsaug report``). The loop over the cases is a MONAI evaluator: :mod:`jcsaug.evaluation.evaluator`. Metric
+conventions for empty masks are those of :mod:`jcsaug.evaluation.metrics`; undefined values are NaN in memory and in
+the CSV, ``null`` in JSON.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import io
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,21 +24,17 @@ import torch
 from monai.inferers import Inferer
 from monai.metrics import DiceMetric
 from monai.networks.utils import one_hot
-from tqdm.auto import tqdm
 
-from jcsaug.data.checks import describe_error
 from jcsaug.data.roi import ROI_KEY, mask_outside_roi
 from jcsaug.evaluation.metrics import (
     METRICS,
-    ComponentClasses,
     case_metrics,
-    component_classes,
     count_statuses,
     nanmean,
     summarize_cases,
 )
 from jcsaug.inference.tta import BlendedTTAInferer
-from jcsaug.utils import as_flag, atomic_write_text
+from jcsaug.utils import atomic_write_text
 
 CSV_COLUMNS: tuple[str, ...] = ("method", "case", "class", *METRICS, "status")
 """Columns of ``per_case.csv``: one row per method, case and foreground class."""
@@ -161,112 +159,50 @@ def per_case_csv(metrics: Mapping[str, Mapping]) -> str:
     return buffer.getvalue()
 
 
-def evaluate_cases(
-    network: torch.nn.Module,
-    cases: Sequence[Mapping],
-    load: Callable[[Mapping], Mapping],
-    inferers: Mapping[str, Inferer],
+def summarize_methods(
+    per_method: Mapping[str, Sequence[dict]],
+    failed: Sequence[dict],
     num_classes: int,
-    device: torch.device | str = "cpu",
-    output_path: str | Path | None = None,
-    image_key: str = "image",
-    label_key: str = "label",
-    progress: bool = True,
-    spacing: float | Sequence[float] | None = None,
-    spacing_key: str | None = None,
-    keep_largest_component: ComponentClasses = False,
-    csv_path: str | Path | None = None,
-    extra: Mapping | None = None,
-    strict: bool = True,
-    report_classes: Mapping[str, Sequence[int]] | None = None,
-    roi_key: str | None = ROI_KEY,
+    largest_component_classes: Sequence[int] = (),
+    report_subsets: Mapping[str, Sequence[int]] | None = None,
 ) -> dict:
-    """Dice, sensitivity, precision and HD95 of every case under every inferer; returns the metrics dict.
+    """The metrics of every method from its cases' rows (see :func:`~jcsaug.evaluation.evaluate_cases`).
 
-    Args:
-        network: the trained network (moved to ``device`` and put in eval mode here).
-        cases: datalist entries (e.g. ``{"image": path, "label": path}``).
-        load: transform turning an entry into tensors (``LoadImaged`` ... ``EnsureTyped``).
-        inferers: method name -> inferer, e.g. ``{"none": NoTTAInferer(sw), "learned_tea": ...}``.
-        num_classes: number of classes including background.
-        output_path: where to write ``metrics.json`` (atomically); ``per_case.csv`` goes next to it.
-        spacing: voxel size in mm for all cases; None = per case from :func:`case_spacing`, else 1 mm
-            (with a warning).
-        spacing_key: key of the data or datalist entry holding the spacing (see :func:`case_spacing`).
-        keep_largest_component: keep only the largest connected component of the predicted classes it names:
-            False, True (every foreground class) or foreground class ids, e.g. ``[1, 3]`` (also the string
-            ``"[1, 3]"`` a command line passes; :func:`~jcsaug.evaluation.metrics.component_classes`). Checked
-            before any case is segmented.
-        csv_path: where to write the per-case CSV (default: ``per_case.csv`` next to ``output_path``).
-        extra: more top-level entries of ``metrics.json`` besides the methods, e.g. the bundles'
-            ``"policy_updates"`` (updates done and skipped per policy updater); not in the returned dict.
-        strict: after writing the files, raise a ``ValueError`` naming every case that failed (to load or to be
-            segmented); ``False``: only warn. Either way the failed cases are in ``failed_cases`` and the others
-            are evaluated.
-        report_classes: named foreground class subsets (a task's :attr:`~jcsaug.tasks.TaskSpec.report_classes`,
-            e.g. ``{"tumour": [2]}`` for KiTS) whose mean Dice is given beside the all-class one, as
-            ``"mean_dice_reported"``; computed as ``jcsaug report --classes`` does (per case over the subset, then
-            over the cases), so the two agree.
-        roi_key: where ``load`` gives a case's region of interest (:class:`jcsaug.data.ThresholdROId`): its
-            predictions outside it are background (:func:`jcsaug.data.mask_outside_roi`), before the largest
-            component is kept, as the reference code masks its test predictions. A case without it is predicted
-            as it is; None: never masked.
-
-    Returns:
-        ``{method: {"mean_dice", "mean_dice_per_class", "summary": {metric: {"mean", "per_class",
-        "n_undefined", "n_undefined_per_class"}}, "empty_cases": {status: [count per class]},
-        "per_case": [{"case", "dice", "mean_dice", "sensitivity", "precision", "hd95", "status",
-        "spacing", "roi_masked"}], "failed_cases": [{"case", "error"}], "largest_component_classes": [the classes
-        post-processed]}}`` (with ``report_classes`` also
-        ``"mean_dice_reported": {name: {"classes", "mean_dice"}}``) — per-case metric values are lists over the
-        foreground classes; means are over the cases that did not fail.
+    ``per_method``: method -> the rows :func:`score_case` gave; ``failed``: ``{"case", "error"}`` of the cases that
+    could not be loaded or segmented (listed under every method); ``report_subsets``: named foreground class subsets
+    (:func:`report_subsets`) whose mean Dice is given as ``"mean_dice_reported"``.
     """
-    lcc_classes = component_classes(keep_largest_component, num_classes)  # before hours of inference
-    if not cases:
-        raise ValueError("no cases to evaluate")
-    subsets = _report_subsets(report_classes, num_classes)  # checked before hours of inference, not after
-    device = torch.device(device)
-    network.to(device).eval()  # a network built on the CPU (a bundle's network_def) follows its inputs to the GPU
-    per_method: dict[str, list[dict]] = {name: [] for name in inferers}
-    unknown_spacing: list[str] = []
-    failed: list[dict] = []
-    with torch.no_grad():
-        for index, entry in enumerate(tqdm(cases, desc="evaluate", disable=not progress)):
-            case = str(entry.get(image_key, f"case_{index}")) if isinstance(entry, Mapping) else f"case_{index}"
-            try:
-                rows = _evaluate_case(network, entry, load, inferers, num_classes, device, image_key, label_key,
-                                      spacing, spacing_key, lcc_classes, unknown_spacing, case, roi_key)  # fmt: skip
-            except Exception as err:  # noqa: BLE001 - recorded with its reason; the other cases go on
-                failed.append({"case": case, "error": describe_error(err)})
-                warnings.warn(f"evaluation of case {case} failed: {failed[-1]['error']}", stacklevel=2)
-                continue
-            for name, row in rows.items():
-                per_method[name].append(row)
-    if unknown_spacing:
-        warnings.warn(
-            f"voxel spacing unknown for {len(unknown_spacing)} case(s) (e.g. {unknown_spacing[0]}): HD95 computed "
-            "with 1 mm voxels. Pass spacing= or spacing_key= to evaluate_cases.",
-            stacklevel=2,
-        )
     metrics = {
         name: {
             "mean_dice": _mean([r["mean_dice"] for r in rows]),
             "mean_dice_per_class": [_mean([r["dice"][c] for r in rows]) for c in range(num_classes - 1)],
             "summary": summarize_cases(rows, num_classes),
             "empty_cases": count_statuses(rows, num_classes),
-            "per_case": rows,
-            "failed_cases": failed,
-            "largest_component_classes": list(lcc_classes),
+            "per_case": list(rows),
+            "failed_cases": list(failed),
+            "largest_component_classes": list(largest_component_classes),
         }
         for name, rows in per_method.items()
     }
-    if subsets:
-        for name, rows in per_method.items():
+    for name, rows in per_method.items():
+        if report_subsets:  # per case over the subset, then over the cases (as `jcsaug report --classes`)
             metrics[name]["mean_dice_reported"] = {
-                subset: {"classes": classes, "mean_dice": _mean([_mean([r["dice"][c - 1] for c in classes])
-                                                                 for r in rows])}
-                for subset, classes in subsets.items()
+                subset: {"classes": list(classes),
+                         "mean_dice": _mean([_mean([r["dice"][c - 1] for c in classes]) for r in rows])}
+                for subset, classes in report_subsets.items()
             }  # fmt: skip
+    return metrics
+
+
+def write_metrics(
+    metrics: Mapping[str, Mapping],
+    output_path: str | Path | None = None,
+    csv_path: str | Path | None = None,
+    extra: Mapping | None = None,
+) -> None:
+    """Write ``metrics.json`` (``metrics`` and the ``extra`` top-level entries, strict JSON) and the per-case CSV
+    (default: ``per_case.csv`` next to ``output_path``), each atomically; a name of ``extra`` that is also a method
+    is refused before anything is written."""
     if output_path is not None:
         clash = sorted(set(extra or {}) & set(metrics))
         if clash:
@@ -276,15 +212,11 @@ def evaluate_cases(
         csv_path = Path(output_path).with_name("per_case.csv")
     if csv_path is not None:
         atomic_write_text(csv_path, per_case_csv(metrics))
-    if failed and as_flag(strict):
-        listed = "\n  ".join(f"{f['case']}: {f['error']}" for f in failed)
-        where = f" (the other cases are in {output_path})" if output_path is not None else ""
-        raise ValueError(f"evaluation failed for {len(failed)} of {len(cases)} cases{where}:\n  {listed}")
-    return metrics
 
 
-def _report_subsets(report_classes: Mapping[str, Sequence[int]] | None, num_classes: int) -> dict[str, list[int]]:
-    """``report_classes`` as lists of ints, refused unless every class is a foreground class ``1..num_classes-1``."""
+def report_subsets(report_classes: Mapping[str, Sequence[int]] | None, num_classes: int) -> dict[str, list[int]]:
+    """``report_classes`` as lists of ints, refused unless every class is a foreground class ``1..num_classes-1``
+    (checked before any case is segmented, not after hours of inference)."""
     subsets = {str(name): [int(c) for c in classes] for name, classes in (report_classes or {}).items()}
     for name, classes in subsets.items():
         if not classes or any(not 1 <= c < num_classes for c in classes):
@@ -292,47 +224,49 @@ def _report_subsets(report_classes: Mapping[str, Sequence[int]] | None, num_clas
     return subsets
 
 
-def _evaluate_case(
+def score_case(
     network: torch.nn.Module,
+    data: Mapping,
     entry: Mapping,
-    load: Callable[[Mapping], Mapping],
     inferers: Mapping[str, Inferer],
     num_classes: int,
     device: torch.device,
-    image_key: str,
-    label_key: str,
-    spacing: float | Sequence[float] | None,
-    spacing_key: str | None,
-    lcc_classes: tuple[int, ...],
-    unknown_spacing: list[str],
     case: str,
-    roi_key: str | None = None,
-) -> dict[str, dict]:
-    """One case under every inferer: ``{method: row}`` (see :func:`evaluate_cases`)."""
-    data = load(entry)
+    *,
+    image_key: str = "image",
+    label_key: str = "label",
+    spacing: float | Sequence[float] | None = None,
+    spacing_key: str | None = None,
+    largest_component_classes: Sequence[int] = (),
+    roi_key: str | None = ROI_KEY,
+) -> tuple[dict[str, dict], bool]:
+    """One loaded case (``data``, from the datalist ``entry``) under every inferer: ``({method: row}, whether its
+    spacing was unknown`` (then 1 mm voxels)); the rows are those of :func:`~jcsaug.evaluation.evaluate_cases`."""
+    unknown_spacing = False
     if spacing is not None:
         voxel = np.broadcast_to(np.asarray(spacing, dtype=float), (data[image_key].ndim - 1,)).tolist()
     else:
         voxel, _source = case_spacing(data, entry, image_key, spacing_key)
         if voxel is None:
-            unknown_spacing.append(case)
+            unknown_spacing = True
             voxel = [1.0] * (data[image_key].ndim - 1)
     image = torch.as_tensor(data[image_key]).unsqueeze(0).to(device)
     label = torch.as_tensor(data[label_key]).cpu()
     roi = data.get(roi_key) if roi_key is not None else None
     rows = {}
-    outputs = _MemberOutputs(inferers.values())
+    outputs = MemberOutputs(inferers.values())
     for name, inferer in inferers.items():
         pred = mask_outside_roi(outputs.predict(inferer, image, network).argmax(1)[0].cpu(), roi)
-        values = case_metrics(pred, label[0], num_classes, voxel, keep_largest_component=lcc_classes)
+        values = case_metrics(pred, label[0], num_classes, voxel,
+                              keep_largest_component=tuple(largest_component_classes))  # fmt: skip
         row = {"case": case, "dice": values["dice"], "mean_dice": _mean(values["dice"])}
         row.update({m: values[m] for m in METRICS[1:]}, status=values["status"], spacing=voxel)
         row["roi_masked"] = roi is not None
         rows[name] = row
-    return rows
+    return rows, unknown_spacing
 
 
-class _MemberOutputs:
+class MemberOutputs:
     """One case's outputs of the inferers that a blend among ``inferers`` averages (:class:`BlendedTTAInferer`,
     e.g. ``learned+mirror`` of ``learned`` and ``heuristic``, built by ``make_tta_inferers`` from the same member
     objects), each kept until the last blend that uses it: a blend then combines them instead of predicting its
