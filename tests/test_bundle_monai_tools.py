@@ -5,8 +5,9 @@
   dataset bundles once gave a sentence there, which MONAI's tools read character by character and refused);
 * ``verify_net_in_out`` passes on every bundle as it is, and with another network and its input size given as the
   bundles' README shows;
-* ``ckpt_export`` of a checkpoint as the bundles save it: scripted for the synthetic bundle's U-Net, traced (the
-  README's ``--use_trace``) for a dataset bundle's DeepMedic at the size its whole-volume inferer feeds it;
+* ``ckpt_export`` of a checkpoint as the bundles save it: scripted for the synthetic bundle's U-Net and a dataset
+  bundle's DeepMedic (which then takes any input size), traced (the README's ``--use_trace``) for a dataset bundle's
+  U-Net at the size its whole-volume inferer feeds it;
 * every ``train.yaml`` has MONAI's training-workflow properties at MONAI's ids (``train#trainer``, ...), and a
   ``ConfigWorkflow(workflow_type="train")`` (what MONAI FL builds) reads and sets them: ``max_epochs`` set through
   the property is what the run trains, schedules and records;
@@ -117,12 +118,30 @@ def test_ckpt_export_scripts_the_synthetic_bundles_network(tmp_path):
         torch.testing.assert_close(exported(x), net(x))
 
 
-@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
-def test_ckpt_export_traces_a_dataset_bundles_network_at_its_inferers_size(tmp_path):
-    """Traced at the size the whole-volume inferer feeds the network (DeepMedic, whose crops a trace fixes: its
-    larger test segment), the TorchScript network predicts what the trained one predicts. (The U-Net traces the same
-    way at its patch size, 7 s more of the suite: checked by hand, not here.)"""
+def test_ckpt_export_scripts_a_dataset_bundles_deepmedic_for_any_input_size(tmp_path):
+    """DeepMedic is scripted (no ``--use_trace``): the TorchScript network predicts what the trained one predicts at
+    the size the whole-volume inferer feeds it (its larger test segment) and at the training patch's."""
     overrides = {"network": "deepmedic", "network_kwargs": SMALL_DEEPMEDIC}
+    parser = bundle_parser("kits19_tumor", **overrides)
+    net = _checkpoint(parser, tmp_path / "checkpoint.pt")
+    config, meta = _files("kits19_tumor")
+    ckpt_export(
+        net_id="network_def", filepath=str(tmp_path / "model.ts"), ckpt_file=str(tmp_path / "checkpoint.pt"),
+        key_in_ckpt="network", meta_file=meta, config_file=config, **overrides,
+    )  # fmt: skip
+    exported = torch.jit.load(str(tmp_path / "model.ts"))
+    for size in (parser.get_parsed_content("sw_inferer").roi_size, parser.get_parsed_content("input_size")):
+        x = torch.rand(1, 1, *size)
+        with torch.no_grad():
+            torch.testing.assert_close(exported(x), net(x))
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_ckpt_export_traces_a_dataset_bundles_unet_at_its_inferers_size(tmp_path):
+    """The U-Net (whose deep-supervision heads MONAI's ``DynUNet`` cannot script) is traced, the bundles' README's
+    ``--use_trace``, at the size its whole-volume inferer feeds it: the TorchScript network predicts what the trained
+    one predicts (narrow filters: the export's mechanics do not depend on the width)."""
+    overrides = {"network": "unet3d", "network_kwargs": {"base_filters": 4, "max_filters": 8}}
     parser = bundle_parser("kits19_tumor", **overrides)
     net = _checkpoint(parser, tmp_path / "checkpoint.pt")
     roi = list(parser.get_parsed_content("sw_inferer").roi_size)

@@ -131,6 +131,26 @@ def test_crop_label_to_output_and_residual():
     assert torch.equal(res[:, :2], 1 + skip[..., 1:4, 1:4, 1:4]) and torch.equal(res[:, 2:], out[:, 2:])
 
 
+@pytest.mark.parametrize(("mode", "spatial_dims", "layout"), [
+    ("strided", 3, {}), ("avg", 3, {"subsample_factors": (3,), "residual_layers": (), "fc_residual_layers": ()}),
+    ("strided", 2, {"subsample_factors": ()})])  # fmt: skip
+def test_deepmedic_scripts_and_the_script_takes_any_input_size(mode, spatial_dims, layout):
+    """``torch.jit.script`` (MONAI's ``ckpt_export`` without ``--use_trace``) compiles DeepMedic, with or without
+    residuals and context pathways; the scripted network predicts what the eager one predicts at every input size (a
+    trace would keep the size it was traced at) and refuses one too small as the eager one does."""
+    net = tiny_deepmedic(subsample_mode=mode, spatial_dims=spatial_dims, **layout)
+    scripted = torch.jit.script(net)
+    margin = net.margin
+    for out in (1, 7, 12):
+        x = torch.randn(2, 1, *(out + 2 * margin,) * spatial_dims)
+        with torch.no_grad():
+            expected = net(x)
+            torch.testing.assert_close(scripted(x), expected, rtol=0, atol=0)
+        assert tuple(expected.shape[2:]) == (out,) * spatial_dims
+    with pytest.raises(torch.jit.Error, match="too small for DeepMedic"):
+        scripted(torch.randn(1, 1, *(2 * margin,) * spatial_dims))
+
+
 def test_valid_sliding_window_stitches_exactly_for_a_fully_valid_net():
     # normal pathway + 1³ FC layers only: translation-equivariant, so tiling must equal one big forward
     net = tiny_deepmedic(subsample_factors=(), fc_kernel_sizes=(1, 1), segment_size=21)

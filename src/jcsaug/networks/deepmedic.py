@@ -51,10 +51,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from monai.inferers import Inferer
-from monai.networks.layers import Conv, Pool
+from monai.networks.layers import Conv
 from monai.networks.layers.utils import get_act_layer, get_norm_layer
 
-from jcsaug.ops.resample import centre_crop  # the package's one centre crop (re-exported here)
+from jcsaug.ops.resample import centre_crop, centre_crop_tensor  # the package's centre crop (re-exported here)
 
 logger = logging.getLogger(__name__)
 #: how a context pathway subsamples its crop: every f-th voxel (the reference), or f³ average pooling
@@ -99,7 +99,7 @@ def crop_label_to_output(label: torch.Tensor | np.ndarray, output_size: SizeLike
     return centre_crop(label, output_size)
 
 
-def _lowres_output(out: int, factor: int) -> tuple[int, int]:
+def _lowres_output(out: int, factor: int) -> tuple[int, int]:  # TorchScript: called from DeepMedic.forward
     """Low-res output size ``n`` of a ×``factor`` pathway and the leading crop ``a`` of its upsampled map.
 
     ``n = ceil(out / factor)``, plus one when ``factor * n - out`` is odd, so the excess is even and the
@@ -165,7 +165,7 @@ class _PreActBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.drop(self.act(self.norm(x)))
-        if self.pad:
+        if self.pad > 0:
             small = min(x.shape[2:]) <= self.pad  # reflect needs pad < size; fall back to edge replication
             x = F.pad(x, [self.pad] * (2 * self.spatial_dims), mode="replicate" if small else "reflect")
         return self.conv(x)
@@ -173,7 +173,7 @@ class _PreActBlock(nn.Module):
 
 def _add_residual(out: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
     """``out`` + centre-cropped ``skip``; missing skip channels are zero (extra skip channels are dropped)."""
-    skip = centre_crop(skip, tuple(out.shape[2:]))
+    skip = centre_crop_tensor(skip, out.shape[2:])
     c_out, c_skip = out.shape[1], skip.shape[1]
     if c_skip >= c_out:
         return out + skip[:, :c_out]
@@ -249,6 +249,9 @@ class DeepMedic(nn.Module):
         act: MONAI activation name/tuple (default per-channel PReLU, as DeepMedic).
         spatial_dims: 3 (or 2).
     """
+
+    #: Python-side geometry, not part of the TorchScript network (``torch.jit.script`` would compile properties)
+    __jit_unused_properties__ = ["output_size", "input_size", "receptive_fields"]
 
     def __init__(
         self,
@@ -327,6 +330,7 @@ class DeepMedic(nn.Module):
         self.classifier = _PreActBlock(
             spatial_dims, channels[-1], out_channels, 1, norm=norm, act=act, dropout=drops[-1], bias=True
         )
+        self._default_input = list(self.input_size)  # named by the error of a too small input
         self._init_weights()
         for m in self.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -368,14 +372,7 @@ class DeepMedic(nn.Module):
 
     def output_size_for(self, input_size: SizeLike) -> tuple[int, ...]:
         """Logit size for an input patch: ``input - 2 * margin`` (ValueError if too small)."""
-        inp = _as_tuple(input_size, self.spatial_dims, "input_size")
-        out = tuple(s - 2 * self.margin for s in inp)
-        if any(o < 1 for o in out):
-            raise ValueError(
-                f"input size {inp} too small for DeepMedic: need > {2 * self.margin} voxels per axis "
-                f"(margin {self.margin}); the default input is {self.input_size}"
-            )
-        return out
+        return tuple(self._output_size(list(_as_tuple(input_size, self.spatial_dims, "input_size"))))
 
     @property
     def receptive_fields(self) -> dict[str, int]:
@@ -425,22 +422,42 @@ class DeepMedic(nn.Module):
     # ---- forward ----------------------------------------------------------------------------------------------
     def _subsample(self, x: torch.Tensor, f: int) -> torch.Tensor:
         if self.subsample_mode == "avg":
-            return Pool[Pool.AVG, self.spatial_dims](kernel_size=f, stride=f)(x)
-        index = (Ellipsis,) + (slice(f // 2, None, f),) * self.spatial_dims
-        return x[index]
+            return F.avg_pool3d(x, f, f) if self.spatial_dims == 3 else F.avg_pool2d(x, f, f)
+        a = f // 2  # the centre voxel of each f-wide block (a view, as every f-th voxel)
+        return x[:, :, a::f, a::f, a::f] if self.spatial_dims == 3 else x[:, :, a::f, a::f]
+
+    def _output_size(self, input_size: list[int]) -> list[int]:
+        """:meth:`output_size_for` of ``forward`` (TorchScript: a list in, a list out)."""
+        out = [s - 2 * self.margin for s in input_size]
+        if min(out) < 1:
+            raise ValueError(
+                f"input size {input_size} too small for DeepMedic: need > {2 * self.margin} voxels per axis "
+                f"(margin {self.margin}); the default input is {self._default_input}"
+            )
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[B, C_in, *input_size]`` → logits ``[B, C_out, *output_size_for(input_size)]``."""
-        out = self.output_size_for(tuple(x.shape[2:]))
-        feats = [self.normal(centre_crop(x, tuple(o + self.shrink for o in out)))]
-        for f, pathway in zip(self.subsample_factors, self.context):
-            low_out, lead = zip(*(_lowres_output(o, f) for o in out))
-            crop = centre_crop(x, tuple(f * (n + self.shrink) for n in low_out))
+        """``x``: ``[B, C_in, *input_size]`` → logits ``[B, C_out, *output_size_for(input_size)]``.
+
+        Written for TorchScript (``torch.jit.script``, MONAI's ``ckpt_export`` without ``--use_trace``), so the
+        exported network takes any input size as this one does."""
+        out = self._output_size(list(x.shape[2:]))
+        feats = [self.normal(centre_crop_tensor(x, [o + self.shrink for o in out]))]
+        for k, pathway in enumerate(self.context):
+            f = self.subsample_factors[k]
+            low_out: list[int] = []
+            lead: list[int] = []
+            for o in out:
+                n, a = _lowres_output(o, f)
+                low_out.append(n)
+                lead.append(a)
+            crop = centre_crop_tensor(x, [f * (n + self.shrink) for n in low_out])
             h = pathway(self._subsample(crop, f))  # [B, C, *low_out]
             for d in range(self.spatial_dims):
                 h = h.repeat_interleave(f, dim=2 + d)  # nearest ×f upsampling
-            index = (Ellipsis,) + tuple(slice(a, a + o) for a, o in zip(lead, out))
-            feats.append(h[index])
+            for d in range(self.spatial_dims):
+                h = h.narrow(2 + d, lead[d], out[d])
+            feats.append(h)
         h = torch.cat(feats, dim=1)
         fc_inputs: list[torch.Tensor] = []
         for i, block in enumerate(self.fc):

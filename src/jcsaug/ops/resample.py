@@ -131,16 +131,36 @@ def _interp_1d(x: torch.Tensor, dim: int, factor: float, mode: str, padding_mode
 def centre_crop(x: torch.Tensor | np.ndarray, size: int | Sequence[int]) -> torch.Tensor | np.ndarray:
     """Centre crop (a view) of the trailing ``len(size)`` axes (an int: the last ``min(3, ndim)`` axes); start =
     floor of half the excess. The one centre crop of tensors and arrays: the TRA's context, DeepMedic's label
-    region and pathways."""
+    region and pathways (:func:`centre_crop_tensor` for tensors)."""
     n = min(3, x.ndim) if isinstance(size, (int, np.integer)) else len(size)
-    size = (int(size),) * n if isinstance(size, (int, np.integer)) else tuple(int(s) for s in size)
-    shape = tuple(x.shape[-n:])
-    if any(s < o for s, o in zip(shape, size)):
-        raise ValueError(f"cannot centre-crop spatial shape {shape} to the larger {size}")
+    size = [int(size)] * n if isinstance(size, (int, np.integer)) else [int(s) for s in size]
+    if isinstance(x, torch.Tensor):
+        return centre_crop_tensor(x, size)
+    shape = list(x.shape[-n:]) if n else []
+    _check_crop(shape, size)
     if shape == size:
         return x
     index = (Ellipsis,) + tuple(slice((s - o) // 2, (s - o) // 2 + o) for s, o in zip(shape, size))
     return x[index]
+
+
+def _check_crop(shape: list[int], size: list[int]) -> None:
+    for s, o in zip(shape, size):
+        if s < o:
+            raise ValueError(f"cannot centre-crop spatial shape {shape} to the larger {size}")
+
+
+def centre_crop_tensor(x: torch.Tensor, size: list[int]) -> torch.Tensor:
+    """:func:`centre_crop` of a tensor to ``size`` (one entry per trailing axis), a view; TorchScript-able (a
+    network's forward calls it: DeepMedic's pathways and residuals)."""
+    n = len(size)
+    shape = list(x.shape[x.dim() - n :])
+    _check_crop(shape, size)
+    for d in range(n):
+        excess = shape[d] - size[d]
+        if excess > 0:
+            x = x.narrow(x.dim() - n + d, excess // 2, size[d])
+    return x
 
 
 def _resample_factored(x: torch.Tensor, matrix: torch.Tensor, axis: int, mode: str, padding_mode: str,
