@@ -6,8 +6,8 @@
 * ``verify_net_in_out`` passes on every bundle as it is, and with another network and its input size given as the
   bundles' README shows;
 * ``ckpt_export`` of a checkpoint as the bundles save it: scripted for the synthetic bundle's U-Net and a dataset
-  bundle's DeepMedic (which then takes any input size), traced (the README's ``--use_trace``) for a dataset bundle's
-  U-Net at the size its whole-volume inferer feeds it;
+  bundle's DeepMedic and U-Net (which then take any input size), traced (the README's ``--use_trace``) for a dataset
+  bundle's transformer at the size its whole-volume inferer feeds it;
 * every ``train.yaml`` has MONAI's training-workflow properties at MONAI's ids (``train#trainer``, ...), and a
   ``ConfigWorkflow(workflow_type="train")`` (what MONAI FL builds) reads and sets them: ``max_epochs`` set through
   the property is what the run trains, schedules and records;
@@ -118,10 +118,24 @@ def test_ckpt_export_scripts_the_synthetic_bundles_network(tmp_path):
         torch.testing.assert_close(exported(x), net(x))
 
 
-def test_ckpt_export_scripts_a_dataset_bundles_deepmedic_for_any_input_size(tmp_path):
-    """DeepMedic is scripted (no ``--use_trace``): the TorchScript network predicts what the trained one predicts at
-    the size the whole-volume inferer feeds it (its larger test segment) and at the training patch's."""
-    overrides = {"network": "deepmedic", "network_kwargs": SMALL_DEEPMEDIC}
+#: torch's check of MONAI's DynUNet warns on its `heads: list[torch.Tensor]` (torch reads lowercase `list` as empty)
+SCRIPT_WARNING = "ignore:The TorchScript type system doesn't support instance-level annotations:UserWarning"
+#: narrow networks for the export tests (the export's mechanics do not depend on the width), and a second input
+#: size each takes besides the whole-volume inferer's
+EXPORTED = {
+    "deepmedic": (SMALL_DEEPMEDIC, "input_size"),
+    "unet3d": ({"base_filters": 4, "max_filters": 8}, [96, 64, 80]),
+}
+
+
+@pytest.mark.filterwarnings(SCRIPT_WARNING)
+@pytest.mark.parametrize("network", sorted(EXPORTED))
+def test_ckpt_export_scripts_a_dataset_bundles_network_for_any_input_size(tmp_path, network):
+    """DeepMedic and the U-Net are scripted (no ``--use_trace``; the U-Net as its inference network, without the
+    training-only deep-supervision heads): the TorchScript network predicts what the trained one predicts in eval mode
+    at the size the whole-volume inferer feeds it and at another (DeepMedic: the training patch)."""
+    kwargs, other = EXPORTED[network]
+    overrides = {"network": network, "network_kwargs": kwargs}
     parser = bundle_parser("kits19_tumor", **overrides)
     net = _checkpoint(parser, tmp_path / "checkpoint.pt")
     config, meta = _files("kits19_tumor")
@@ -130,18 +144,19 @@ def test_ckpt_export_scripts_a_dataset_bundles_deepmedic_for_any_input_size(tmp_
         key_in_ckpt="network", meta_file=meta, config_file=config, **overrides,
     )  # fmt: skip
     exported = torch.jit.load(str(tmp_path / "model.ts"))
-    for size in (parser.get_parsed_content("sw_inferer").roi_size, parser.get_parsed_content("input_size")):
+    other = parser.get_parsed_content(other) if isinstance(other, str) else other
+    for size in (parser.get_parsed_content("sw_inferer").roi_size, other):
         x = torch.rand(1, 1, *size)
         with torch.no_grad():
             torch.testing.assert_close(exported(x), net(x))
 
 
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
-def test_ckpt_export_traces_a_dataset_bundles_unet_at_its_inferers_size(tmp_path):
-    """The U-Net (whose deep-supervision heads MONAI's ``DynUNet`` cannot script) is traced, the bundles' README's
+def test_ckpt_export_traces_a_dataset_bundles_transformer_at_its_inferers_size(tmp_path):
+    """The transformer (whose checkpointing TorchScript cannot script) is traced, the bundles' README's
     ``--use_trace``, at the size its whole-volume inferer feeds it: the TorchScript network predicts what the trained
-    one predicts (narrow filters: the export's mechanics do not depend on the width)."""
-    overrides = {"network": "unet3d", "network_kwargs": {"base_filters": 4, "max_filters": 8}}
+    one predicts (a narrow SwinUNETR)."""
+    overrides = {"network": "transformer", "network_kwargs": {"feature_size": 12, "depths": [1, 1, 1, 1]}}
     parser = bundle_parser("kits19_tumor", **overrides)
     net = _checkpoint(parser, tmp_path / "checkpoint.pt")
     roi = list(parser.get_parsed_content("sw_inferer").roi_size)

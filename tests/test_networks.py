@@ -28,6 +28,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 TINY = {"feature_maps": (4,) * 8, "fc_feature_maps": (6, 6)}
 
+#: torch's check of MONAI's DynUNet warns on its `heads: list[torch.Tensor]` (torch reads lowercase `list` as empty)
+SCRIPT_WARNING = "ignore:The TorchScript type system doesn't support instance-level annotations:UserWarning"
+
 
 def tiny_deepmedic(**kwargs) -> DeepMedic:
     torch.manual_seed(0)
@@ -213,6 +216,23 @@ def test_factory_unet3d_deep_supervision():
         assert net.eval()(x).shape == (2, 2, 32, 32, 32)
     with pytest.raises(ValueError, match="divisible"):
         make_network("unet3d", 1, 2, (36, 32, 32))
+
+
+@pytest.mark.filterwarnings(SCRIPT_WARNING)
+@pytest.mark.parametrize("deep_supervision", [True, False])
+def test_the_unet_scripts_as_its_inference_network(deep_supervision):
+    """``torch.jit.script`` of the factory's U-Net compiles a ``DynUNet`` without the deep-supervision heads (which
+    MONAI's ``DynUNet`` cannot script) holding its weights: the script predicts what the network predicts in eval
+    mode, at the patch size and at another size the strides divide; the network itself keeps its heads."""
+    torch.manual_seed(0)
+    net = make_network("unet3d", 1, 2, 32, base_filters=4, deep_supervision=deep_supervision).eval()
+    scripted = torch.jit.script(net)
+    assert scripted.original_name == "DynUNet" and not scripted.training
+    for size in ((32, 32, 32), (48, 32, 64)):
+        x = torch.randn(1, 1, *size)
+        with torch.no_grad():
+            torch.testing.assert_close(scripted(x), net(x), rtol=0, atol=0)
+    assert isinstance(net.train()(torch.randn(1, 1, 32, 32, 32)), tuple) == deep_supervision
 
 
 def test_factory_transformers_and_deepmedic():

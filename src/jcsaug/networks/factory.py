@@ -23,6 +23,7 @@ stacked tensor instead, and split it with :func:`split_deep_supervision`.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -119,12 +120,27 @@ class NnUNetDynUNet(DynUNet):
     """``DynUNet`` whose training-mode deep-supervision output is a tuple ``(main, aux_1, ...)`` (not stacked).
 
     Same parameters and ``state_dict`` keys as ``DynUNet``; ``stacked_deep_supervision=True`` restores the stacked
-    tensor ``[B, S+1, C, ...]``. Eval mode returns ``[B, C, ...]`` either way.
+    tensor ``[B, S+1, C, ...]``. Eval mode returns ``[B, C, ...]`` either way. ``torch.jit.script`` compiles its
+    inference network (:meth:`__prepare_scriptable__`).
     """
 
     def __init__(self, *args, stacked_deep_supervision: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.stacked_deep_supervision = stacked_deep_supervision
+        self._dynunet_arguments = inspect.signature(DynUNet).bind(*args, **kwargs).arguments  # for the script
+
+    def __prepare_scriptable__(self) -> DynUNet:
+        """What ``torch.jit.script`` (MONAI's ``ckpt_export``) compiles: the inference network, a ``DynUNet``
+        without the deep-supervision heads (used in training only; MONAI's ``DynUNet`` cannot script them), with
+        this network's weights, mode and device. It predicts what this network predicts in eval mode, at any input
+        size the strides divide."""
+        plain = DynUNet(**{**self._dynunet_arguments, "deep_supervision": False, "deep_supr_num": 1})
+        missing, unexpected = plain.load_state_dict(self.state_dict(), strict=False)
+        heads = ("deep_supervision_heads.", ".super_head.")  # the heads and the skip layers' references to them
+        if missing or any(not any(h in f".{key}" for h in heads) for key in unexpected):
+            raise RuntimeError(f"NnUNetDynUNet: the inference network does not match ({missing}, {unexpected})")
+        parameter = next(self.parameters())
+        return plain.to(device=parameter.device, dtype=parameter.dtype).train(self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         out = super().forward(x)
