@@ -541,7 +541,7 @@ def test_patch_size_the_network_cannot_take_is_refused_with_one_that_fits():
     assert unet.training  # the network's mode is left as it was (the check runs it in eval mode)
     deepmedic = make_network("deepmedic", 1, 2, [21, 21, 21], feature_maps=[2] * 8, fc_feature_maps=[2, 2])
     check_patch_size(deepmedic, [21, 21, 21], sizes=get_network("deepmedic").sizes)  # logits cover its output region
-    with pytest.raises(PreflightError, match=r"does not fit the DeepMedic \(ValueError: input size \(21, 21, 21\)"):
+    with pytest.raises(PreflightError, match=r"does not fit the DeepMedic \(ValueError: input size \[21, 21, 21\]"):
         check_patch_size(deepmedic, [21, 21, 21])  # without its sizes: the logits must cover the whole input
     dynunet = make_network("unet3d", 1, 2, [32, 32, 32])  # its deep-supervision heads share encoder modules
     check_patch_size(dynunet, [32, 32, 32])
