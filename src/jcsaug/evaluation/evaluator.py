@@ -143,7 +143,7 @@ class CaseEvaluator(SupervisedEvaluator):
         error = batchdata.get("error")
         if error is None:
             try:
-                with self.mode(self.network):  # eval mode and no gradients, restored afterwards
+                with self.mode(self.network), torch.no_grad():  # the mode is restored afterwards
                     rows, unknown = score_case(
                         self.network, batchdata["data"], batchdata["entry"], self.inferers, self.num_classes,
                         engine.state.device, case, image_key=self.image_key, label_key=self.label_key,
