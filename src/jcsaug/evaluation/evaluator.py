@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
+from ignite.handlers import ProgressBar
 from monai.data import DataLoader, Dataset
 from monai.engines import SupervisedEvaluator
 from monai.inferers import Inferer
@@ -294,16 +295,11 @@ def evaluate_cases(
         ``"mean_dice_reported": {name: {"classes", "mean_dice"}}``) — per-case metric values are lists over the
         foreground classes; means are over the cases that did not fail.
     """
-    component_classes(keep_largest_component, num_classes)  # before the loader is built, as the evaluator does
-    if not cases:
-        raise ValueError("no cases to evaluate")
     loader = DataLoader(EvaluationCases(cases, load, image_key), batch_size=1, num_workers=num_workers,
                         collate_fn=one_case)  # fmt: skip
     metrics = CaseMetrics(output_path, csv_path, extra=extra, strict=strict, report_classes=report_classes)
     handlers: list = [metrics]
     if progress:
-        from ignite.handlers import ProgressBar
-
         handlers.append(ProgressBar(desc="evaluate", persist=True))
     evaluator = CaseEvaluator(
         device, loader, network, inferers, num_classes, keep_largest_component=keep_largest_component,

@@ -184,8 +184,8 @@ def summarize_methods(
         }
         for name, rows in per_method.items()
     }
-    for name, rows in per_method.items():
-        if report_subsets:  # per case over the subset, then over the cases (as `jcsaug report --classes`)
+    if report_subsets:  # per case over the subset, then over the cases (as `jcsaug report --classes`)
+        for name, rows in per_method.items():
             metrics[name]["mean_dice_reported"] = {
                 subset: {"classes": list(classes),
                          "mean_dice": _mean([_mean([r["dice"][c - 1] for c in classes]) for r in rows])}
