@@ -353,6 +353,7 @@ def test_evaluation_properties_are_at_monais_ids(bundle):
     assert evaluator["_target_"] == "jcsaug.evaluation.CaseEvaluator"
     # (as expressions, which MONAI's check of the ids skips: MONAI >= 1.4 compares them as text with "::")
     assert evaluator["val_handlers"] == "$@validate#handlers" and evaluator["inferers"] == "@validate#inferer"
+    assert evaluator["key_val_metric"] == "$@validate#key_metric" and "validate#key_metric" in workflow.parser
     assert workflow.parser["validate#dataloader#dataset"] == "$@validate#dataset"
     assert workflow.parser["validate#dataset#transform"] == "$@validate#preprocessing"
 
@@ -391,6 +392,9 @@ def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(t
     written = json.loads((run / "metrics_evaluate.json").read_text())
     reported = {f"{m}_mean_dice": written[m]["mean_dice"] for m in ("none", "heuristic")}
     assert workflow.evaluator.state.metrics == reported
+    # the key metric: the run's own method (tea_mode joint: learned), none where it was not evaluated (no TEA policy)
+    assert workflow.evaluator.state.key_metric_name == "none_mean_dice"
+    assert workflow.evaluator.state.best_metric == reported["none_mean_dice"]
     parser = workflow.parser
     expected = evaluate_cases(network, parser.get_parsed_content("test_files"), parser.get_parsed_content("load"),
                               parser.get_parsed_content("validate#inferer"), 2, progress=False)  # fmt: skip

@@ -330,25 +330,26 @@ def test_evaluate_cases_warns_when_spacing_is_unknown():
     assert metrics["none"]["per_case"][0]["spacing"] == [1.0, 2.0, 3.0]
 
 
-@pytest.mark.parametrize("strict", [True, False])
-def test_a_failing_case_is_recorded_and_the_others_are_evaluated(tmp_path, strict):
-    """Issue 12 item 7: evaluation names a bad case, goes on, and writes the metrics of the good ones."""
-    good = {"image": torch.ones(1, 4, 4, 4), "label": torch.ones(1, 4, 4, 4)}
+def _load_good_or_bad(entry):
+    """A case's tensors, or the error of an unreadable file for ``bad.nii.gz`` (module level: workers import it)."""
+    if entry["image"] == "bad.nii.gz":
+        raise RuntimeError("applying transform") from ValueError("cannot read bad.nii.gz: EOFError")
+    return {"image": torch.ones(1, 4, 4, 4), "label": torch.ones(1, 4, 4, 4)}
 
-    def load(entry):
-        if entry["image"] == "bad.nii.gz":
-            raise RuntimeError("applying transform") from ValueError("cannot read bad.nii.gz: EOFError")
-        return good
 
+@pytest.mark.parametrize(("strict", "workers"), [(True, 0), (False, 0), (False, 2)])
+def test_a_failing_case_is_recorded_and_the_others_are_evaluated(tmp_path, strict, workers):
+    """Issue 12 item 7: evaluation names a bad case, goes on, and writes the metrics of the good ones; so too when
+    DataLoader workers load the cases (the error comes back from the worker as the case's record)."""
     cases = [{"image": "a.nii.gz"}, {"image": "bad.nii.gz"}, {"image": "c.nii.gz"}]
     out = tmp_path / "metrics.json"
-    args = (_Oracle(), cases, load, {"none": SimpleInferer()}, 2)
+    args = (_Oracle(), cases, _load_good_or_bad, {"none": SimpleInferer()}, 2)
     with pytest.warns(UserWarning, match=r"evaluation of case bad\.nii\.gz failed: ValueError: cannot read bad"):
         if strict:
             with pytest.raises(ValueError, match=r"evaluation failed for 1 of 3 cases .*\n  bad\.nii\.gz: ValueError"):
-                evaluate_cases(*args, output_path=out, spacing=1.0, progress=False)
+                evaluate_cases(*args, output_path=out, spacing=1.0, progress=False, num_workers=workers)
         else:
-            evaluate_cases(*args, output_path=out, spacing=1.0, progress=False, strict=False)
+            evaluate_cases(*args, output_path=out, spacing=1.0, progress=False, strict=False, num_workers=workers)
     written = json.loads(out.read_text())["none"]
     assert [r["case"] for r in written["per_case"]] == ["a.nii.gz", "c.nii.gz"] and written["mean_dice"] == 1.0
     assert written["failed_cases"] == [{"case": "bad.nii.gz", "error": "ValueError: cannot read bad.nii.gz: EOFError"}]
@@ -539,11 +540,13 @@ def test_saved_predictions_keep_the_largest_component_of_the_chosen_classes(tmp_
 def test_the_evaluation_is_a_monai_evaluator_whose_handlers_see_each_methods_mean_dice(tmp_path):
     """``evaluate_cases`` is a :class:`CaseEvaluator` run with :class:`CaseMetrics`: built by hand (as evaluate.yaml
     builds them), a handler attached after ``CaseMetrics`` reads ``<method>_mean_dice`` from the state's metrics, as
-    MONAI's ``StatsHandler`` and MONAI FL do; each value is the mean Dice of the metrics file."""
+    MONAI's ``StatsHandler`` and MONAI FL do; each value is the mean Dice of the metrics file. The first method's
+    is MONAI's key metric (``state.best_metric``), or the one given as ``key_val_metric``; a case that fails is
+    left out of the means, as of the file's."""
     from ignite.engine import Events
     from monai.data import DataLoader
 
-    from jcsaug.evaluation import CaseEvaluator, CaseMetrics, EvaluationCases, one_case
+    from jcsaug.evaluation import CaseEvaluator, CaseMetrics, EvaluationCases, method_mean_dice, one_case
 
     label = torch.zeros(1, 8, 8, 8)
     label[0, 2:6, 2:6, 2:6] = 1
@@ -563,11 +566,34 @@ def test_the_evaluation_is_a_monai_evaluator_whose_handlers_see_each_methods_mea
     assert evaluator.methods == ["none", "empty"]
     evaluator.run()
     assert seen == {"none_mean_dice": 1.0, "empty_mean_dice": 0.0}
+    assert (evaluator.state.key_metric_name, evaluator.state.best_metric) == ("none_mean_dice", 1.0)
     written = json.loads(out.read_text())
     assert {m: written[m]["mean_dice"] for m in ("none", "empty")} == {"none": 1.0, "empty": 0.0}
     assert metrics.metrics["none"]["per_case"][1]["case"] == "b"
     evaluator.run()  # a second evaluation (MONAI FL evaluates every round) starts from no cases
     assert len(metrics.metrics["none"]["per_case"]) == 2
+
+    # the key metric chosen; a case that fails to load is left out of every mean, as it is of the file's
+    half = {"image": label * 2 - 1, "label": torch.zeros_like(label)}
+    half["label"][0, 2:6, 2:6, 2:4] = 1  # half of the predicted cube: Dice 2/3
+
+    def load(entry):
+        if entry["image"] == "broken":
+            raise OSError("no such file: broken")
+        return half if entry["image"] == "half" else data
+
+    loader = DataLoader(EvaluationCases([{"image": "a"}, {"image": "broken"}, {"image": "half"}], load),
+                        batch_size=1, collate_fn=one_case)  # fmt: skip
+    metrics = CaseMetrics(out, strict=False)
+    methods = {"none": SimpleInferer(), "empty": _EmptyInferer()}
+    evaluator = CaseEvaluator("cpu", loader, _Oracle(), methods, 2, spacing=1.0, val_handlers=[metrics],
+                              key_val_metric=method_mean_dice("empty"))  # fmt: skip
+    with pytest.warns(UserWarning, match="broken"):
+        evaluator.run()
+    assert evaluator.state.key_metric_name == "empty_mean_dice" and evaluator.state.best_metric == 0.0
+    written = json.loads(out.read_text())
+    assert evaluator.state.metrics == {f"{m}_mean_dice": written[m]["mean_dice"] for m in ("none", "empty")}
+    assert evaluator.state.metrics["none_mean_dice"] == pytest.approx((1.0 + 2 / 3) / 2)
 
 
 def test_the_evaluators_settings_are_checked_before_any_case_is_segmented():
@@ -576,7 +602,7 @@ def test_the_evaluators_settings_are_checked_before_any_case_is_segmented():
     from monai.data import DataLoader
     from monai.engines import SupervisedEvaluator
 
-    from jcsaug.evaluation import CaseEvaluator, CaseMetrics, EvaluationCases, one_case
+    from jcsaug.evaluation import CaseEvaluator, CaseMetrics, EvaluationCases, method_mean_dice, one_case
 
     def loader(n=1):
         return DataLoader(EvaluationCases([{"image": "a"}] * n, lambda e: {}), batch_size=1, collate_fn=one_case)
@@ -588,6 +614,10 @@ def test_the_evaluators_settings_are_checked_before_any_case_is_segmented():
         CaseEvaluator("cpu", loader(), _Oracle(), methods, 3, keep_largest_component=[3])
     with pytest.raises(ValueError, match="inferers is empty"):
         CaseEvaluator("cpu", loader(), _Oracle(), {}, 2)
+    with pytest.raises(
+        ValueError, match=r"metric 'learned_mean_dice': no test-time method 'learned'; evaluated: \['none'\]"
+    ):
+        CaseEvaluator("cpu", loader(), _Oracle(), methods, 2, key_val_metric=method_mean_dice("learned"))
     with pytest.raises(ValueError, match="no cases to evaluate"):
         CaseEvaluator("cpu", loader(0), _Oracle(), methods, 2)
     with pytest.raises(TypeError, match="SupervisedEvaluator"):

@@ -22,6 +22,7 @@ from jcsaug.engine import (
     TRAPolicyUpdater,
     get_tea_mode,
     get_tra_mode,
+    key_test_method,
     list_tea_modes,
     list_tra_modes,
 )
@@ -56,6 +57,11 @@ def test_every_tea_mode_builds_its_updater_test_policy_and_methods(tea_mode, tmp
     path = save_policies(tmp_path / "policies.json", None, learned)  # for `fixed`
     setup = AugmentationSetup("heuristic", tea_mode, tea_policy_file=path)
     assert setup.test_methods == ["none"] + ([mode.test_method] if mode.test_method else [])
+    # the evaluation's key metric is the run's own method, or none where it was not evaluated
+    assert key_test_method(tea_mode, ["heuristic", "none", "learned"]) == setup.test_methods[-1]
+    assert key_test_method(tea_mode, ["heuristic", "none"]) == (
+        setup.test_methods[-1] if mode.test_method != "learned" else "none"
+    )
     updaters = _updaters(setup, tiny_unet())
     assert (updaters.tea is not None) == mode.joint
     # checkpoints hold the TEA policy only where it is learned in training or tested as read from a file

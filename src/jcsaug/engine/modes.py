@@ -125,6 +125,14 @@ for _tea in (
     register_tea_mode(_tea)
 
 
+def key_test_method(tea_mode: str, methods: Iterable[str]) -> str:
+    """The test-time method a run of ``tea_mode`` is judged by among the evaluated ``methods`` (an evaluation's key
+    metric): the mode's ``test_method`` (``none`` for ``tea_mode: none``), or ``none`` when that method is not
+    evaluated (e.g. a run whose ``policies.json`` holds no TEA policy)."""
+    method = get_tea_mode(tea_mode).test_method or "none"
+    return method if method in list(methods) else "none"
+
+
 class PolicyUpdaters(list):
     """The Ignite handlers that learn a run's policies (a list, possibly empty), and what checkpoints must hold.
 

@@ -1,6 +1,14 @@
 """Evaluation of segmentations: per-case metrics, summaries and the comparison report."""
 
-from jcsaug.evaluation.evaluator import CaseEvaluator, CaseMetrics, EvaluationCases, evaluate_cases, one_case
+from jcsaug.evaluation.evaluator import (
+    CaseEvaluator,
+    CaseMetrics,
+    EvaluationCases,
+    MethodMeanDice,
+    evaluate_cases,
+    method_mean_dice,
+    one_case,
+)
 from jcsaug.evaluation.metrics import (
     HIGHER_IS_BETTER,
     METRICS,
@@ -28,6 +36,7 @@ __all__ = [
     "EVALUATION_SPLITS",
     "HIGHER_IS_BETTER",
     "METRICS",
+    "MethodMeanDice",
     "POSTPROCESSING_NAME",
     "Report",
     "ReportError",
@@ -44,6 +53,7 @@ __all__ = [
     "evaluation_split",
     "label_map_dice",
     "largest_connected_component",
+    "method_mean_dice",
     "one_case",
     "parse_component_classes",
     "per_case_csv",

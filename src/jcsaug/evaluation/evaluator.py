@@ -7,9 +7,12 @@
   sensitivity, precision, HD95; :func:`~jcsaug.evaluation.segmentation.score_case`). Its ``network`` is the
   evaluated network, so MONAI FL's ``MonaiAlgo`` (which takes only a ``SupervisedEvaluator``) loads the server's
   weights into it.
+* :class:`MethodMeanDice`: an Ignite metric, one method's mean Dice over the cases. The evaluator's key metric
+  (``key_val_metric``, default: its first method's) and one per other method put ``<method>_mean_dice`` into
+  ``engine.state.metrics``, where MONAI's ``StatsHandler``, MONAI FL and any handler of the user's find it; the key
+  one also gives ``engine.state.best_metric`` (what MONAI's ``CheckpointSaver(save_key_metric=True)`` reads).
 * :class:`CaseMetrics`: an Ignite handler (``attach``) that gathers the scored cases and, when the evaluation ends,
-  writes ``metrics.json`` and ``per_case.csv`` and puts each method's mean Dice into ``engine.state.metrics`` (as
-  ``<method>_mean_dice``), where MONAI's ``StatsHandler``, MONAI FL and any handler of the user's find it.
+  writes ``metrics.json`` and ``per_case.csv``.
 
 :func:`evaluate_cases` builds and runs the three: what the bundles' ``train.yaml`` calls after training, and the
 Python API. ``evaluate.yaml`` configures them at MONAI's ids (``validate#evaluator``, ``validate#dataset``, ...), so
@@ -26,17 +29,26 @@ from typing import Any
 import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import ProgressBar
+from ignite.metrics import Metric
 from monai.data import DataLoader, Dataset
 from monai.engines import SupervisedEvaluator
 from monai.inferers import Inferer
 
 from jcsaug.data.checks import describe_error
 from jcsaug.data.roi import ROI_KEY
-from jcsaug.evaluation.metrics import ComponentClasses, component_classes
+from jcsaug.evaluation.metrics import ComponentClasses, component_classes, nanmean
 from jcsaug.evaluation.segmentation import report_subsets, score_case, summarize_methods, write_metrics
 from jcsaug.utils import as_flag
 
-__all__ = ["CaseEvaluator", "CaseMetrics", "EvaluationCases", "evaluate_cases", "one_case"]
+__all__ = [
+    "CaseEvaluator",
+    "CaseMetrics",
+    "EvaluationCases",
+    "MethodMeanDice",
+    "evaluate_cases",
+    "method_mean_dice",
+    "one_case",
+]
 
 #: suffix of each method's mean Dice in ``engine.state.metrics`` (``learned_mean_dice``, ...)
 MEAN_DICE_METRIC = "_mean_dice"
@@ -75,12 +87,51 @@ def one_case(batch: Sequence[dict]) -> dict:
     return batch[0]
 
 
+class MethodMeanDice(Metric):
+    """The mean Dice of one test-time method over the cases a :class:`CaseEvaluator` scored (the cases that failed
+    left out): the ``mean_dice`` of that method in ``metrics.json``, as an Ignite metric, so MONAI's key-metric
+    machinery (``key_val_metric``: ``state.best_metric``, ``CheckpointSaver(save_key_metric=True)``) and any metric
+    handler can use it. :func:`method_mean_dice` names it ``<method>_mean_dice``."""
+
+    required_output_keys = None  # the output is the evaluator's case dict, read by _method_row
+
+    def __init__(self, method: str, device: str | torch.device = "cpu") -> None:
+        self.method = str(method)
+        super().__init__(output_transform=self._method_row, device=device)
+
+    def _method_row(self, output: Any) -> tuple:
+        """The method's row of a scored case (a 1-tuple, as Ignite passes outputs on), None for a failed case."""
+        rows = output.get("rows") if isinstance(output, Mapping) else None
+        if rows is None:
+            return (None,)
+        if self.method not in rows:
+            raise KeyError(f"MethodMeanDice({self.method!r}): the evaluator scored the methods {list(rows)}")
+        return (rows[self.method],)
+
+    def reset(self) -> None:
+        self._dice: list[float] = []
+
+    def update(self, output: tuple) -> None:
+        if output[0] is not None:
+            self._dice.append(float(output[0]["mean_dice"]))
+
+    def compute(self) -> float:
+        return nanmean(self._dice)
+
+
+def method_mean_dice(method: str) -> dict[str, MethodMeanDice]:
+    """``{"<method>_mean_dice": MethodMeanDice(method)}``: a :class:`CaseEvaluator`'s ``key_val_metric`` (or entry
+    of ``additional_metrics``) for ``method``."""
+    return {f"{method}{MEAN_DICE_METRIC}": MethodMeanDice(method)}
+
+
 class CaseEvaluator(SupervisedEvaluator):
     """Every case of ``val_data_loader`` (from :class:`EvaluationCases`, collated by :func:`one_case`) predicted by
     every inferer of ``inferers`` and scored; ``engine.state.output`` is ``{"case", "rows": {method: row},
     "spacing_unknown"}`` or, for a case that could not be loaded or segmented, ``{"case", "error"}`` (with a
     warning). Attach :class:`CaseMetrics` to gather them. (The ``SupervisedEvaluator``'s single ``inferer`` is
-    not used: the methods are ``inferers``.)
+    not used: the methods are ``inferers``.) Every method's mean Dice is in ``state.metrics`` after a run, as
+    ``<method>_mean_dice`` (:class:`MethodMeanDice`).
 
     Args:
         device: where the network predicts (it is moved there).
@@ -97,6 +148,11 @@ class CaseEvaluator(SupervisedEvaluator):
         val_handlers: Ignite handlers to attach (e.g. :class:`CaseMetrics`, ``ProgressBar``, MONAI's
             ``StatsHandler``).
         mode: ``"eval"`` (default) or ``"train"``: the network's mode while predicting (MONAI's ``ForwardMode``).
+        key_val_metric: MONAI's key metric (``state.key_metric_name``, ``state.best_metric``), e.g.
+            ``method_mean_dice("learned")``; default: the first method's mean Dice.
+        additional_metrics: more Ignite metrics of the cases' outputs; each method's mean Dice not given in
+            either is added here.
+        metric_cmp_fn: how MONAI compares two values of the key metric (default: higher is better).
     """
 
     def __init__(
@@ -114,6 +170,9 @@ class CaseEvaluator(SupervisedEvaluator):
         roi_key: str | None = ROI_KEY,
         val_handlers: Sequence | None = None,
         mode: str = "eval",
+        key_val_metric: Mapping[str, Metric] | None = None,
+        additional_metrics: Mapping[str, Metric] | None = None,
+        metric_cmp_fn: Callable | None = None,
     ) -> None:
         # everything a handler reads when it is attached (at the end of Evaluator.__init__) is set first
         self.largest_component_classes = component_classes(keep_largest_component, num_classes)
@@ -126,9 +185,28 @@ class CaseEvaluator(SupervisedEvaluator):
         self.num_classes = int(num_classes)
         self.spacing, self.spacing_key = spacing, spacing_key
         self.image_key, self.label_key, self.roi_key = image_key, label_key, roi_key
+        key_val_metric, additional_metrics = self._every_mean_dice(key_val_metric, additional_metrics)
+        comparison = {} if metric_cmp_fn is None else {"metric_cmp_fn": metric_cmp_fn}
         super().__init__(device=device, val_data_loader=val_data_loader, network=network, val_handlers=val_handlers,
-                         mode=mode, decollate=False)  # fmt: skip
+                         mode=mode, decollate=False, key_val_metric=key_val_metric,
+                         additional_metrics=additional_metrics, **comparison)  # fmt: skip
         self.add_event_handler(Events.STARTED, self._move_network)
+
+    def _every_mean_dice(
+        self, key: Mapping[str, Metric] | None, additional: Mapping[str, Metric] | None
+    ) -> tuple[dict, dict]:
+        """The key metric (default: the first method's mean Dice) and the additional metrics, completed with every
+        method's mean Dice; a :class:`MethodMeanDice` of a method not evaluated is refused, naming the methods."""
+        key = dict(method_mean_dice(self.methods[0]) if key is None else key)
+        additional = dict(additional or {})
+        for name, metric in {**key, **additional}.items():
+            if isinstance(metric, MethodMeanDice) and metric.method not in self.inferers:
+                raise ValueError(f"metric {name!r}: no test-time method {metric.method!r}; evaluated: {self.methods}")
+        for method in self.methods:
+            for name, metric in method_mean_dice(method).items():
+                if name not in key and name not in additional:
+                    additional[name] = metric
+        return key, additional
 
     def _move_network(self, engine: Engine) -> None:
         """A network built on the CPU (a bundle's ``network_def``) follows the evaluation to its device."""
@@ -160,10 +238,10 @@ class CaseEvaluator(SupervisedEvaluator):
 
 class CaseMetrics:
     """Gathers a :class:`CaseEvaluator`'s cases; when its evaluation ends, builds every method's metrics
-    (:attr:`metrics`, the dict :func:`evaluate_cases` returns), writes them (``output_path``: ``metrics.json``;
-    ``csv_path``: the per-case CSV, default ``per_case.csv`` beside it) and puts each method's mean Dice into
-    ``engine.state.metrics`` as ``<method>_mean_dice``. Then, if cases failed and ``strict``, raises a
-    ``ValueError`` naming each (after the files are written; ``strict=False``: only the warnings).
+    (:attr:`metrics`, the dict :func:`evaluate_cases` returns) and writes them (``output_path``: ``metrics.json``;
+    ``csv_path``: the per-case CSV, default ``per_case.csv`` beside it). Then, if cases failed and ``strict``,
+    raises a ``ValueError`` naming each (after the files are written; ``strict=False``: only the warnings). (Each
+    method's mean Dice in ``engine.state.metrics`` is the evaluator's, :class:`MethodMeanDice`.)
 
     Args:
         output_path: where to write ``metrics.json`` (atomically); None: nothing written.
@@ -224,7 +302,6 @@ class CaseMetrics:
         self.metrics = summarize_methods(per_method, self._failed, engine.num_classes,
                                          engine.largest_component_classes, self._subsets)  # fmt: skip
         write_metrics(self.metrics, self.output_path, self.csv_path, self.extra)
-        engine.state.metrics.update({f"{m}{MEAN_DICE_METRIC}": r["mean_dice"] for m, r in self.metrics.items()})
         if self._failed and as_flag(self.strict):
             listed = "\n  ".join(f"{f['case']}: {f['error']}" for f in self._failed)
             where = f" (the other cases are in {self.output_path})" if self.output_path is not None else ""
