@@ -597,8 +597,9 @@ def test_the_evaluation_is_a_monai_evaluator_whose_handlers_see_each_methods_mea
 
 
 def test_the_evaluators_settings_are_checked_before_any_case_is_segmented():
-    """A class subset, a largest-component class, an empty method list or no cases: refused when the evaluator is
-    built (before hours of inference), naming the value; ``CaseMetrics`` only gathers a ``CaseEvaluator``'s cases."""
+    """A class subset, a largest-component class, an extra entry named as a method, an empty method list, a key
+    metric of a method not evaluated or no cases: refused when the evaluator is built (before hours of inference),
+    naming the value; ``CaseMetrics`` only gathers a ``CaseEvaluator``'s cases."""
     from monai.data import DataLoader
     from monai.engines import SupervisedEvaluator
 
@@ -612,6 +613,8 @@ def test_the_evaluators_settings_are_checked_before_any_case_is_segmented():
         CaseEvaluator("cpu", loader(), _Oracle(), methods, 2, val_handlers=[CaseMetrics(report_classes={"x": [2]})])
     with pytest.raises(ValueError, match="class 3"):
         CaseEvaluator("cpu", loader(), _Oracle(), methods, 3, keep_largest_component=[3])
+    with pytest.raises(ValueError, match=r"extra metrics.json entries \['none'\] clash with method names"):
+        CaseEvaluator("cpu", loader(), _Oracle(), methods, 2, val_handlers=[CaseMetrics("m.json", extra={"none": 1})])
     with pytest.raises(ValueError, match="inferers is empty"):
         CaseEvaluator("cpu", loader(), _Oracle(), {}, 2)
     with pytest.raises(

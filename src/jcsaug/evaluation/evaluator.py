@@ -249,7 +249,7 @@ class CaseMetrics:
         extra: more top-level entries of ``metrics.json`` (e.g. the bundles' ``policy_updates``).
         strict: raise when cases failed (see above).
         report_classes: named foreground class subsets whose mean Dice is given as ``mean_dice_reported``
-            (checked when attached, before any case is segmented).
+            (checked when attached, before any case is segmented, as ``extra``'s names against the methods').
     """
 
     def __init__(
@@ -270,6 +270,9 @@ class CaseMetrics:
         if not isinstance(engine, CaseEvaluator):
             raise TypeError(f"CaseMetrics gathers a CaseEvaluator's cases, not a {type(engine).__name__}'s")
         self._subsets = report_subsets(self.report_classes, engine.num_classes)
+        clash = sorted(set(self.extra or {}) & set(engine.methods))
+        if clash and self.output_path is not None:  # (write_metrics refuses it too; here before any case is segmented)
+            raise ValueError(f"extra metrics.json entries {clash} clash with method names")
         engine.add_event_handler(Events.EPOCH_STARTED, self._reset)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._gather)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._finish)
