@@ -23,6 +23,10 @@ With ``--selections``, also what the learned policy's *choice* is worth: the spl
 the validation volumes with the final network (by alone gain, and by pair gain: an exhaustive, noise-free choice
 from the data the TEA learns on); and by the split's own pair gains (a ceiling: chosen with the split's labels).
 
+With ``--minus-split training``, also each op's alone gain on that split's volumes (``--max-volumes``: the first N
+of each split) and ``--split``'s minus it: what the op does to the validation domain beyond what it does to the
+training one, under the same network (``--ops``: only the named ops).
+
 It answers whether a TEA op the learned policy leaves out (issue 10: ``gamma_compress_0.5`` on the default shift)
 would have helped the trained network — a miss of the learner — or not — a target the trained network has no use
 for. Every op is evaluated on the same volumes with the bundle's own sliding-window inferer, network and loading.
@@ -54,19 +58,24 @@ from jcsaug.evaluation.segmentation import case_dice
 from jcsaug.inference import NoTTAInferer, TEAInferer
 from jcsaug.ops.tea import TEA_OPS, apply_tea_ops, get_tea_op, in_view_masks
 
+#: the datalist splits a run's volumes can be read from
+SPLITS = ("test", "validation", "training")
+
 #: the ways ``patch_effects`` scores an op on a patch (columns of the table, rows of the Spearman lines)
 PATCH_SCORES = ("every voxel", "in view", "in view, volume stats", "pooled with a background patch",
                 "with identity, hard")  # fmt: skip
 
 
 def op_gains(network: torch.nn.Module, volumes: list[tuple[torch.Tensor, torch.Tensor]], sw, num_classes: int,
-             device: torch.device, progress: bool = True) -> dict[str, tuple[float, float]]:  # fmt: skip
-    """``{op name: (pair gain, alone gain)}`` in Dice points over ``volumes`` (``[1, 1, ...]`` image and label)."""
+             device: torch.device, progress: bool = True,
+             ops: list | None = None) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """``{op name: (pair gain, alone gain)}`` in Dice points over ``volumes`` (``[1, 1, ...]`` image and label), for
+    ``ops`` (default: every op of the catalogue but the identity)."""
     plain_logits = [NoTTAInferer(sw)(image.to(device), network).float() for image, _ in volumes]
     plain = statistics.fmean(statistics.fmean(case_dice(p.cpu(), y, num_classes)) for p, (_, y) in
                              zip(plain_logits, volumes))  # fmt: skip
     gains = {}
-    for op in tqdm(TEA_OPS[1:], desc="TEA ops", disable=not progress):
+    for op in tqdm(TEA_OPS[1:] if ops is None else ops, desc="TEA ops", disable=not progress):
         pair, alone = [], []
         for p, (image, label) in zip(plain_logits, volumes):
             mapped = TEAInferer([op], base_inferer=sw)(image.to(device), network).float()
@@ -201,7 +210,11 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", nargs="+", type=Path, required=True, help="trained runs of the synthetic bundle")
     parser.add_argument("--dataset-dir", type=Path, required=True, help="the runs' dataset (make_synthetic_dataset)")
-    parser.add_argument("--split", default="test", choices=("test", "validation"))
+    parser.add_argument("--split", default="test", choices=SPLITS)
+    parser.add_argument("--max-volumes", type=int, default=0, help="the first N volumes of each split (0: all)")
+    parser.add_argument("--ops", nargs="+", default=None, metavar="NAME", help="only these TEA ops (default: all)")
+    parser.add_argument("--minus-split", default=None, choices=SPLITS,
+                        help="also each op's alone gain on this split, and --split's minus it")  # fmt: skip
     parser.add_argument("--top", type=int, default=12, help="ops printed per run, by pair gain")
     parser.add_argument("--patch-size", type=int, nargs=3, default=None, metavar=("X", "Y", "Z"),
                         help="also each op's effect on lesion-centred patches of this size (soft Dice loss, as the "
@@ -217,6 +230,12 @@ def main(argv: list[str] | None = None) -> list[tuple]:
     args = parser.parse_args(argv)
     if args.tea_z < 1:
         parser.error(f"--tea-z must be >= 1 (the identity included), got {args.tea_z}")
+    if args.max_volumes < 0:
+        parser.error(f"--max-volumes must be >= 0 (0: all), got {args.max_volumes}")
+    try:
+        ops = None if args.ops is None else [get_tea_op(name) for name in args.ops]
+    except (KeyError, ValueError) as err:
+        parser.error(f"--ops: {err}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -231,10 +250,12 @@ def main(argv: list[str] | None = None) -> list[tuple]:
 
     def split_volumes(split: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cases = load_decathlon_datalist(datalist, data_list_key=split, base_dir=args.dataset_dir)
+        cases = cases[: args.max_volumes] if args.max_volumes else cases
         return [(d["image"].unsqueeze(0), d["label"].unsqueeze(0)) for d in map(load, cases)]
 
     volumes = split_volumes(args.split)
     validation = split_volumes("validation") if args.selections and args.split != "validation" else volumes
+    minus = split_volumes(args.minus_split) if args.minus_split else None
     undoing = json.loads(datalist.read_text())["domain_shift"]["undone_by"]["tea"]
     print(f"{len(volumes)} {args.split} volumes of {tuple(volumes[0][0].shape[2:])}; shift undone by TEA {undoing}")
 
@@ -247,7 +268,8 @@ def main(argv: list[str] | None = None) -> list[tuple]:
         load_checkpoint(checkpoint, {"network": network}, map_location=device)
         network.eval()
         with torch.no_grad():
-            gains = op_gains(network, volumes, sw, num_classes, device)
+            gains = op_gains(network, volumes, sw, num_classes, device, ops=ops)
+            gains_minus = op_gains(network, minus, sw, num_classes, device, ops=ops) if minus else {}
             on_patches = patch_effects(network, patches, device, background) if patches else {}
         ranks = learned_ranks(run_dir)
         by_pair = sorted(gains, key=lambda n: -gains[n][0])
@@ -276,7 +298,15 @@ def main(argv: list[str] | None = None) -> list[tuple]:
             for i, scored in enumerate(PATCH_SCORES):
                 rho = spearmanr([-on_patches[n][i] for n in names], [gains[n][0] for n in names]).statistic
                 print(f"  Spearman(patch loss {scored}, falling; pair gain) over {len(names)} ops: {rho:+.2f}")
+        if gains_minus:  # what the op does on --split beyond what it does on --minus-split, same network
+            print(f"  alone gain on {args.split} minus on {args.minus_split} ({len(minus)} volumes):")
+            for name in by_pair[: args.top]:
+                here, there = gains[name][1], gains_minus[name][1]
+                print(f"    {name:<28} {here:>+7.2f} {there:>+7.2f} {here - there:>+7.2f}")
         for names in undoing:
+            names = [n for n in names if n in gains]  # (--ops may leave some out)
+            if not names:
+                continue
             best = max(names, key=lambda n: gains[n][0])
             learned_rank = min(ranks[n][0] for n in names) if ranks else None
             patch = ""

@@ -168,3 +168,23 @@ def test_the_pair_column_is_what_the_updater_scores_with_identity_hard(bench):
     assert torch.allclose(column, expected, atol=1e-6)
     assert expected.abs().max() > 0.5  # some op changes the segmentation: the comparison is not of zeros
     assert all(torch.isnan(torch.tensor(effects[op.name][3])) for op in ops)  # no background given: no pooled score
+
+
+def test_the_difference_of_two_splits_is_printed_for_the_ops_named(bench, tmp_path, capsys):
+    """``--minus-split``: each named op's alone gain on ``--split``, on the other split and their difference, the
+    same numbers as ``op_gains`` gives on each split's volumes; ``--ops`` limits the ops, an unknown name is refused
+    naming it."""
+    data, run = _trained_run(bench, tmp_path)
+    names = ["rotate_frontal_cw_90", "gamma_expand_0.5"]
+    bench.main(["--dataset-dir", str(data), "--run-dir", str(run), "--split", "validation", "--minus-split",
+                "training", "--max-volumes", "1", "--ops", *names, "--top", "5"])  # fmt: skip
+    printed = capsys.readouterr().out
+    block = printed.split("alone gain on validation minus on training (1 volumes):\n")[1].splitlines()[: len(names)]
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in block}
+    assert set(rows) == set(names)
+    for here, there, difference in rows.values():
+        assert difference == pytest.approx(here - there, abs=0.011)
+    assert "shift-undoing mirror_sagittal" not in printed and "shift-undoing rotate_frontal" in printed  # --ops
+    with pytest.raises(SystemExit):
+        bench.main(["--dataset-dir", str(data), "--run-dir", str(run), "--ops", "rotate_sideways"])
+    assert "no TEA op named 'rotate_sideways'" in capsys.readouterr().err
