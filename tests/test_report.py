@@ -263,3 +263,34 @@ def test_absent_classes_are_scored_or_left_out_of_the_case_mean(tmp_path, capsys
     assert build_report([old.parent], metrics=["dice"]).values["none"]["dice"] == scored.values["none"]["dice"]
     with pytest.raises(ReportError, match="absent_classes 'skip'"):
         build_report([run], absent_classes="skip")
+
+
+def test_runs_on_copies_of_one_dataset_are_paired_by_file_name_when_asked(tmp_path, capsys):
+    """Cases are paired by their images' paths; runs evaluated on copies of one dataset (another machine, a moved
+    folder) are refused with a hint, and ``--pair-by name`` pairs them by file name, giving the table of the runs
+    evaluated at one place; file names shared within a run are refused."""
+    here = [f"/data/a/imagesTs/{c}.nii.gz" for c in CASES]
+    there = [f"/mnt/copy/imagesTs/{c}.nii.gz" for c in CASES]
+    first = _write(tmp_path / "heuristic", {"none": DATA["A"]}, cases=here)
+    second = _write(tmp_path / "learned", {"none": DATA["B"]}, cases=there)
+    same_place = _write(tmp_path / "same" / "learned", {"none": DATA["B"]}, cases=here)
+    with pytest.raises(ReportError, match="Their file names pair them: .* give --pair-by name"):
+        build_report([first, second], baseline="heuristic/none")
+    paired = build_report([first, second], baseline="heuristic/none", pair_by="name")
+    expected = build_report([first, same_place], baseline="heuristic/none")
+    assert paired.cases == [f"{c}.nii.gz" for c in CASES] and paired.pair_by == "name"
+    assert paired.means == expected.means and paired.p_values == expected.p_values
+    assert "paired by the images' file names" in paired.to_markdown()
+    assert "paired by" not in expected.to_markdown()
+    assert _cli([str(first), str(second), "--baseline", "heuristic/none", "--pair-by", "name"]) == 0
+    assert "| learned/none | **80.0** |" in capsys.readouterr().out
+
+    twice = _write(tmp_path / "twice", {"none": DATA["B"]}, cases=[*here[:4], "/elsewhere/c1.nii.gz"])
+    with pytest.raises(ReportError, match=r"'twice/none': cases \['c1.nii.gz'\] share a file name"):
+        build_report([first, twice], pair_by="name")
+    other = _write(tmp_path / "other", {"none": DATA["B"]}, cases=[*there[:4], "/mnt/copy/imagesTs/x9.nii.gz"])
+    with pytest.raises(ReportError, match=r"extra \['/mnt/copy/imagesTs/c1.nii.gz'") as error:
+        build_report([first, other])
+    assert "pair-by" not in str(error.value)  # the file names would not pair them either: no hint
+    with pytest.raises(ReportError, match="pair_by 'id': must be one of"):
+        build_report([first], pair_by="id")

@@ -15,7 +15,10 @@ Input: the ``per_case.csv`` of one or more run directories (written by
   out of that case's mean whatever the prediction, as MONAI's ``DiceMetric(ignore_empty=True)`` does (read from the
   CSV's ``status`` column).
 - **Pairing**: every method must have been evaluated on the same case ids (compared exactly, against the baseline,
-  or the first method without one), else :class:`ReportError` names the missing cases.
+  or the first method without one), else :class:`ReportError` names the missing cases. Cases are the evaluated
+  images' paths; ``--pair-by name`` pairs them by the images' file names instead (runs evaluated on copies of one
+  dataset at different places: another machine, a moved folder), refused unless those are unique within each run.
+  The error of unpaired cases suggests it when the file names would pair them.
 - **Mean**: over the cases with a defined value; the number of undefined cases is reported.
 - **Rank** per metric: 1 = best mean (higher is better for Dice, sensitivity, precision; lower for HD95),
   ties get the average rank (``scipy.stats.rankdata``), an undefined mean ranks last; the **average rank**
@@ -45,6 +48,8 @@ from jcsaug.evaluation.metrics import HIGHER_IS_BETTER, METRICS, nanmean
 from jcsaug.utils import atomic_write_text
 
 PER_CASE_CSV = "per_case.csv"
+#: how the methods' cases are paired (``--pair-by``): by their images' paths, or by the paths' file names
+PAIR_BY = ("path", "name")
 #: how a class absent from a case's label counts (``--absent-classes``): as the metrics score it, or left out
 ABSENT_CLASSES = ("score", "ignore")
 #: the ``status`` values of a class absent from the label (:data:`jcsaug.evaluation.metrics.STATUSES`)
@@ -77,6 +82,7 @@ class Report:
     values: dict[str, dict[str, list[float]]] = field(default_factory=dict, repr=False)
     classes_name: str | None = None  # what ``classes`` are, e.g. "tumour" (from a task's report_classes)
     absent_classes: str = "score"  # how a class absent from a case's label counts (ABSENT_CLASSES)
+    pair_by: str = "path"  # how the methods' cases were paired (PAIR_BY): their paths or their file names
 
     def rows(self) -> list[dict]:
         """One flat dictionary per method (the CSV rows)."""
@@ -132,9 +138,10 @@ class Report:
         if self.classes_name:
             classes += f" ({self.classes_name})"
         absent = " (a class absent from a case's label left out)" if self.absent_classes == "ignore" else ""
+        paired = " (paired by the images' file names)" if self.pair_by == "name" else ""
         note = (
-            f"{len(self.cases)} paired cases, per-case values averaged over {classes}{absent}. Ranks: 1 = best mean "
-            "per metric, ties averaged."
+            f"{len(self.cases)} paired cases{paired}, per-case values averaged over {classes}{absent}. Ranks: 1 = "
+            "best mean per metric, ties averaged."
         )
         if tested:
             note += (
@@ -243,6 +250,7 @@ def build_report(
     metrics: Sequence[str] = METRICS,
     classes: Sequence[int] | None = None,
     absent_classes: str = "score",
+    pair_by: str = "path",
 ) -> Report:
     """Compare the methods of ``run_dirs`` (each holding a ``per_case.csv``): means and ranks, and with a
     ``baseline`` paired Wilcoxon tests against it and ΔDSC.
@@ -254,7 +262,11 @@ def build_report(
         classes: foreground classes to average over (e.g. ``[2]`` for KiTS tumour); None = all.
         absent_classes: ``"score"``: a class absent from a case's label counts as the metrics score it (Dice 1 or
             0); ``"ignore"``: it is left out of that case's mean (MONAI's ``DiceMetric(ignore_empty=True)``).
+        pair_by: ``"path"``: cases are paired by their images' paths; ``"name"``: by the paths' file names (runs
+            evaluated on copies of one dataset), which must be unique within each run.
     """
+    if pair_by not in PAIR_BY:
+        raise ReportError(f"pair_by {pair_by!r}: must be one of {list(PAIR_BY)}")
     metrics = tuple(metrics)
     unknown = [m for m in metrics if m not in METRICS]
     if unknown or not metrics:
@@ -275,6 +287,8 @@ def build_report(
         raise ReportError(f"unknown baseline {baseline!r}; methods are {methods}")
     reference = methods[0] if baseline is None else baseline
 
+    if pair_by == "name":
+        values = _by_file_name(values)
     cases = sorted(values[reference]["dice"])
     for method in methods:
         own = set(values[method]["dice"])
@@ -285,6 +299,7 @@ def build_report(
                 f"{reference!r}: "
                 f"missing {lacking[:5]}{' ...' if len(lacking) > 5 else ''}, "
                 f"extra {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+                + (_pair_by_name_hint(values) if pair_by == "path" else "")
             )
     table = {m: {k: [values[m][k][case] for case in cases] for k in read_metrics} for m in methods}
 
@@ -321,7 +336,32 @@ def build_report(
         classes=None if classes is None else [int(c) for c in classes],
         values=table,
         absent_classes=absent_classes,
+        pair_by=pair_by,
     )
+
+
+def _by_file_name(values: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """The methods' per-case values keyed by their cases' file names, refused when two cases of a method share one."""
+    renamed = {}
+    for method, per_metric in values.items():
+        names = [Path(case).name for case in per_metric["dice"]]
+        shared = sorted({n for n in names if names.count(n) > 1})
+        if shared:
+            raise ReportError(f"method {method!r}: cases {shared[:5]} share a file name; they cannot be paired by name")
+        renamed[method] = {k: {Path(c).name: v for c, v in per_case.items()} for k, per_case in per_metric.items()}
+    return renamed
+
+
+def _pair_by_name_hint(values: dict[str, dict[str, dict[str, float]]]) -> str:
+    """A hint for unpaired cases whose file names would pair them (runs evaluated on copies of one dataset)."""
+    try:
+        names = [set(per_metric["dice"]) for per_metric in _by_file_name(values).values()]
+    except ReportError:
+        return ""
+    if all(n == names[0] for n in names):
+        return (". Their file names pair them: if the runs were evaluated on copies of one dataset, "
+                "give --pair-by name")  # fmt: skip
+    return ""
 
 
 def build_report_parser(p: argparse.ArgumentParser) -> None:
@@ -360,6 +400,13 @@ def build_report_parser(p: argparse.ArgumentParser) -> None:
         "predicted, else 0; the default), 'ignore' leaves it out of the case's mean, as MONAI's "
         "DiceMetric(ignore_empty=True)",
     )
+    p.add_argument(
+        "--pair-by",
+        choices=PAIR_BY,
+        default="path",
+        help="pair the runs' cases by their images' paths (the default) or by the paths' file names (runs evaluated "
+        "on copies of one dataset at different places)",
+    )
 
 
 def report_classes(task: str | None, classes: Sequence[int] | None) -> tuple[list[int] | None, str | None]:
@@ -387,7 +434,7 @@ def run_report(args: argparse.Namespace) -> int:
         classes, name = report_classes(getattr(args, "task", None), args.classes)
         report = build_report(
             args.run_dirs, args.baseline, metrics=args.metrics, classes=classes,
-            absent_classes=getattr(args, "absent_classes", "score"),
+            absent_classes=getattr(args, "absent_classes", "score"), pair_by=getattr(args, "pair_by", "path"),
         )  # fmt: skip
     except ReportError as error:
         print(f"jcsaug report: error: {error}", file=sys.stderr)
