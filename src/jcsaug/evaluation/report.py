@@ -37,6 +37,7 @@ import csv
 import io
 import math
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -344,8 +345,8 @@ def _by_file_name(values: dict[str, dict[str, dict[str, float]]]) -> dict[str, d
     """The methods' per-case values keyed by their cases' file names, refused when two cases of a method share one."""
     renamed = {}
     for method, per_metric in values.items():
-        names = [Path(case).name for case in per_metric["dice"]]
-        shared = sorted({n for n in names if names.count(n) > 1})
+        counts = Counter(Path(case).name for case in per_metric["dice"])
+        shared = sorted(name for name, count in counts.items() if count > 1)
         if shared:
             raise ReportError(f"method {method!r}: cases {shared[:5]} share a file name; they cannot be paired by name")
         renamed[method] = {k: {Path(c).name: v for c, v in per_case.items()} for k, per_case in per_metric.items()}
