@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -625,3 +626,17 @@ def test_the_evaluators_settings_are_checked_before_any_case_is_segmented():
         CaseEvaluator("cpu", loader(0), _Oracle(), methods, 2)
     with pytest.raises(TypeError, match="SupervisedEvaluator"):
         SupervisedEvaluator("cpu", loader(), _Oracle(), val_handlers=[CaseMetrics()])
+
+
+def test_evaluate_cases_makes_the_method_named_the_key_metric(caplog):
+    """``key_method``: the method whose mean Dice MONAI logs as the best (the bundles: the run's own test-time method);
+    one that is not evaluated is refused before any case is segmented."""
+    data = {"image": torch.ones(1, 4, 4, 4), "label": torch.ones(1, 4, 4, 4)}
+    methods = {"none": SimpleInferer(), "empty": _EmptyInferer()}
+    with caplog.at_level(logging.INFO):
+        evaluate_cases(_Oracle(), [{"image": "a"}], lambda e: data, methods, 2, spacing=1.0, progress=False,
+                       key_method="empty")  # fmt: skip
+    assert "new best metric of empty_mean_dice: 0.0" in caplog.text
+    with pytest.raises(ValueError, match=r"no test-time method 'learned'; evaluated: \['none', 'empty'\]"):
+        evaluate_cases(_Oracle(), [{"image": "a"}], lambda e: pytest.fail("segmented"), methods, 2, progress=False,
+                       key_method="learned")  # fmt: skip

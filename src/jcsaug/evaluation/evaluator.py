@@ -331,6 +331,7 @@ def evaluate_cases(
     report_classes: Mapping[str, Sequence[int]] | None = None,
     roi_key: str | None = ROI_KEY,
     num_workers: int = 0,
+    key_method: str | None = None,
 ) -> dict:
     """Dice, sensitivity, precision and HD95 of every case under every inferer; returns the metrics dict.
 
@@ -365,6 +366,8 @@ def evaluate_cases(
             component is kept, as the reference code masks its test predictions. A case without it is predicted
             as it is; None: never masked.
         num_workers: DataLoader workers loading the next cases while one is predicted (0: in this process).
+        key_method: the method whose mean Dice is the evaluator's key metric (the one MONAI logs as the best);
+            default: the first of ``inferers``.
 
     Returns:
         ``{method: {"mean_dice", "mean_dice_per_class", "summary": {metric: {"mean", "per_class",
@@ -384,7 +387,7 @@ def evaluate_cases(
     evaluator = CaseEvaluator(
         device, loader, network, inferers, num_classes, keep_largest_component=keep_largest_component,
         spacing=spacing, spacing_key=spacing_key, image_key=image_key, label_key=label_key, roi_key=roi_key,
-        val_handlers=handlers,
+        val_handlers=handlers, key_val_metric=None if key_method is None else method_mean_dice(key_method),
     )  # fmt: skip
     evaluator.run()
     return metrics.metrics
