@@ -37,7 +37,13 @@ from monai.inferers import Inferer
 from jcsaug.data.checks import describe_error
 from jcsaug.data.roi import ROI_KEY
 from jcsaug.evaluation.metrics import ComponentClasses, component_classes, nanmean
-from jcsaug.evaluation.segmentation import report_subsets, score_case, summarize_methods, write_metrics
+from jcsaug.evaluation.segmentation import (
+    check_extra_names,
+    report_subsets,
+    score_case,
+    summarize_methods,
+    write_metrics,
+)
 from jcsaug.utils import as_flag
 
 __all__ = [
@@ -270,9 +276,8 @@ class CaseMetrics:
         if not isinstance(engine, CaseEvaluator):
             raise TypeError(f"CaseMetrics gathers a CaseEvaluator's cases, not a {type(engine).__name__}'s")
         self._subsets = report_subsets(self.report_classes, engine.num_classes)
-        clash = sorted(set(self.extra or {}) & set(engine.methods))
-        if clash and self.output_path is not None:  # (write_metrics refuses it too; here before any case is segmented)
-            raise ValueError(f"extra metrics.json entries {clash} clash with method names")
+        if self.output_path is not None:  # as write_metrics will, but before any case is segmented
+            check_extra_names(self.extra, engine.methods)
         engine.add_event_handler(Events.EPOCH_STARTED, self._reset)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._gather)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._finish)

@@ -204,14 +204,20 @@ def write_metrics(
     (default: ``per_case.csv`` next to ``output_path``), each atomically; a name of ``extra`` that is also a method
     is refused before anything is written."""
     if output_path is not None:
-        clash = sorted(set(extra or {}) & set(metrics))
-        if clash:
-            raise ValueError(f"extra metrics.json entries {clash} clash with method names")
+        check_extra_names(extra, metrics)
         atomic_write_text(output_path, json.dumps(_json_safe({**metrics, **(extra or {})}), indent=1))
     if csv_path is None and output_path is not None:
         csv_path = Path(output_path).with_name("per_case.csv")
     if csv_path is not None:
         atomic_write_text(csv_path, per_case_csv(metrics))
+
+
+def check_extra_names(extra: Mapping | None, methods: Iterable[str]) -> None:
+    """Refuse ``extra`` top-level entries of ``metrics.json`` named as one of the ``methods`` (they would replace
+    its metrics)."""
+    clash = sorted(set(extra or {}) & set(methods))
+    if clash:
+        raise ValueError(f"extra metrics.json entries {clash} clash with method names")
 
 
 def report_subsets(report_classes: Mapping[str, Sequence[int]] | None, num_classes: int) -> dict[str, list[int]]:
