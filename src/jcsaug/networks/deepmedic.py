@@ -453,10 +453,8 @@ class DeepMedic(nn.Module):
                 lead.append(a)
             crop = centre_crop_tensor(x, [f * (n + self.shrink) for n in low_out])
             h = pathway(self._subsample(crop, f))  # [B, C, *low_out]
-            for d in range(self.spatial_dims):
-                h = h.repeat_interleave(f, dim=2 + d)  # nearest ×f upsampling
-            for d in range(self.spatial_dims):
-                h = h.narrow(2 + d, lead[d], out[d])
+            for d in range(self.spatial_dims):  # nearest ×f upsampling, cropped to the output axis by axis
+                h = h.repeat_interleave(f, dim=2 + d).narrow(2 + d, lead[d], out[d])
             feats.append(h)
         h = torch.cat(feats, dim=1)
         fc_inputs: list[torch.Tensor] = []

@@ -137,17 +137,21 @@ def centre_crop(x: torch.Tensor | np.ndarray, size: int | Sequence[int]) -> torc
     if isinstance(x, torch.Tensor):
         return centre_crop_tensor(x, size)
     shape = list(x.shape[-n:]) if n else []
-    _check_crop(shape, size)
+    starts = _crop_starts(shape, size)
     if shape == size:
         return x
-    index = (Ellipsis,) + tuple(slice((s - o) // 2, (s - o) // 2 + o) for s, o in zip(shape, size))
-    return x[index]
+    return x[(Ellipsis,) + tuple(slice(a, a + o) for a, o in zip(starts, size))]
 
 
-def _check_crop(shape: list[int], size: list[int]) -> None:
+def _crop_starts(shape: list[int], size: list[int]) -> list[int]:
+    """Where the centred ``size`` starts in ``shape`` along each axis (floor of half the excess); refuses a crop
+    larger than the shape. The arithmetic of both centre crops (TorchScript-able)."""
+    starts: list[int] = []
     for s, o in zip(shape, size):
         if s < o:
             raise ValueError(f"cannot centre-crop spatial shape {shape} to the larger {size}")
+        starts.append((s - o) // 2)
+    return starts
 
 
 def centre_crop_tensor(x: torch.Tensor, size: list[int]) -> torch.Tensor:
@@ -155,11 +159,10 @@ def centre_crop_tensor(x: torch.Tensor, size: list[int]) -> torch.Tensor:
     network's forward calls it: DeepMedic's pathways and residuals)."""
     n = len(size)
     shape = list(x.shape[x.dim() - n :])
-    _check_crop(shape, size)
+    starts = _crop_starts(shape, size)
     for d in range(n):
-        excess = shape[d] - size[d]
-        if excess > 0:
-            x = x.narrow(x.dim() - n + d, excess // 2, size[d])
+        if shape[d] > size[d]:
+            x = x.narrow(x.dim() - n + d, starts[d], size[d])
     return x
 
 
