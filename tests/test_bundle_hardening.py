@@ -509,6 +509,21 @@ def test_the_synthetic_bundle_post_processes_the_classes_keep_largest_component_
     assert shared["validate"]["evaluator"]["keep_largest_component"] == "@largest_component_classes"
 
 
+def test_the_synthetic_bundles_evaluation_takes_the_segmentation_postprocessing(monkeypatch, tmp_path, dataset):
+    """The evaluation after training gets ``segmentation_postprocessing`` (None by default: the argmax)."""
+    import jcsaug.evaluation
+
+    seen: dict = {}
+    monkeypatch.setattr(jcsaug.evaluation, "evaluate_cases", lambda *args, **kwargs: seen.update(kwargs))
+    for value in (None, "$lambda d: d"):
+        seen.clear()
+        overrides = {} if value is None else {"segmentation_postprocessing": value}
+        parser = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser
+        parser.get_parsed_content("evaluate")
+        assert seen["postprocessing"] is parser.get_parsed_content("segmentation_postprocessing")
+        assert (seen["postprocessing"] is None) == (value is None)
+
+
 def test_a_class_the_bundle_does_not_have_is_refused_before_the_run(monkeypatch, tmp_path, dataset):
     assert _refused(monkeypatch, tmp_path, dataset, keep_largest_component=[2]) == (
         "error: bad settings:\n  --keep_largest_component [2]: class 2 is not a foreground class 1..1 (num_classes 2)"

@@ -354,6 +354,7 @@ def test_evaluation_properties_are_at_monais_ids(bundle):
     # (as expressions, which MONAI's check of the ids skips: MONAI >= 1.4 compares them as text with "::")
     assert evaluator["val_handlers"] == "$@validate#handlers" and evaluator["inferers"] == "@validate#inferer"
     assert evaluator["key_val_metric"] == "$@validate#key_metric" and "validate#key_metric" in workflow.parser
+    assert evaluator["postprocessing"] == "$@validate#postprocessing" and "validate#postprocessing" in workflow.parser
     assert workflow.parser["validate#dataloader#dataset"] == "$@validate#dataset"
     assert workflow.parser["validate#dataset#transform"] == "$@validate#preprocessing"
 
@@ -399,6 +400,17 @@ def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(t
     expected = evaluate_cases(network, parser.get_parsed_content("test_files"), parser.get_parsed_content("load"),
                               parser.get_parsed_content("validate#inferer"), 2, progress=False)  # fmt: skip
     assert reported == pytest.approx({f"{m}_mean_dice": r["mean_dice"] for m, r in expected.items()})
+    # segmentation_postprocessing (validate#postprocessing): here a transform that makes each prediction the label
+    labelled = ConfigWorkflow(
+        config_file=files, meta_file=meta, logging_file=False, workflow_type="eval",
+        dataset_dir=str(tmp_path / "data"), output_dir=str(run), num_workers=0,
+        segmentation_postprocessing="$lambda d: {**d, 'pred': d['label']}",
+    )  # fmt: skip
+    labelled.initialize()
+    assert labelled.evaluator.case_postprocessing is labelled.parser.get_parsed_content("validate#postprocessing")
+    labelled.run()
+    written = json.loads((run / "metrics_evaluate.json").read_text())
+    assert {m: written[m]["mean_dice"] for m in ("none", "heuristic")} == {"none": 1.0, "heuristic": 1.0}
 
 
 def test_monai_fl_evaluates_the_servers_weights_with_evaluate_yaml(tmp_path):

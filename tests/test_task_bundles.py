@@ -228,6 +228,30 @@ def test_keep_largest_component_task_takes_the_tasks_classes_in_every_merged_con
     assert bundle_parser("kits19_tumor").get_parsed_content("keep_largest_component") is False
 
 
+@pytest.mark.parametrize("bundle", [*TASK_NAMES, "synthetic_lesion"])
+def test_segmentation_postprocessing_reaches_every_step_that_makes_a_segmentation(bundle):
+    """``--segmentation_postprocessing`` (MONAI transforms; default none): the evaluation after training, its
+    largest-component choice, ``evaluate.yaml``'s evaluator (``validate#postprocessing``, MONAI's id) and
+    ``inference.yaml``'s saved segmentations take the same object (built here in the synthetic bundle, whose
+    preprocessing needs no prepared data)."""
+    from jcsaug.inference.pipeline import LogitsToSegmentationd
+
+    assert bundle_parser(bundle).get_parsed_content("segmentation_postprocessing") is None
+    text = "postprocessing=@segmentation_postprocessing"
+    train = bundle_parser(bundle)
+    assert text in train["evaluate"] and text in train["choose_postprocessing"]
+    evaluation = bundle_parser(bundle, "evaluate.yaml")
+    assert evaluation["validate#postprocessing"] == "@segmentation_postprocessing"
+    assert evaluation["validate#evaluator#postprocessing"] == "$@validate#postprocessing"
+    inference = bundle_parser(bundle, "inference.yaml", segmentation_postprocessing="$lambda d: d")
+    assert text in inference["postprocessing"]
+    if bundle != "synthetic_lesion":
+        return
+    first = inference.get_parsed_content("postprocessing").transforms[0]
+    assert isinstance(first, LogitsToSegmentationd)
+    assert first.postprocessing is inference.get_parsed_content("segmentation_postprocessing")
+
+
 def test_paper_bundles_learn_with_the_paired_estimators_and_the_papers_budgets():
     """Issue 10: the estimators the synthetic benchmark chose, with the paper's beta and gamma (no logit budget)."""
     parser = bundle_parser("kits19_tumor", network="deepmedic")

@@ -1,5 +1,6 @@
 """Evaluation of segmentations: per-case metrics, summaries and the comparison report."""
 
+from jcsaug.evaluation.class_maps import class_map
 from jcsaug.evaluation.evaluator import (
     CaseEvaluator,
     CaseMetrics,
@@ -47,6 +48,7 @@ __all__ = [
     "case_spacing",
     "choose_component_classes",
     "chooses_on_validation",
+    "class_map",
     "component_classes",
     "evaluate_cases",
     "evaluation_file_names",

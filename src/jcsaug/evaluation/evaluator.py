@@ -159,6 +159,12 @@ class CaseEvaluator(SupervisedEvaluator):
         additional_metrics: more Ignite metrics of the cases' outputs; each method's mean Dice not given in
             either is added here.
         metric_cmp_fn: how MONAI compares two values of the key metric (default: higher is better).
+        postprocessing: MONAI dictionary transforms that turn each method's output of a case into its class map
+            before it is scored (:func:`~jcsaug.evaluation.segmentation.class_map`: ``{**loaded case, "pred":
+            the method's C channels of logits}`` in, ``"pred"`` as class scores or one channel of class ids out),
+            e.g. ``AsDiscreted("pred", argmax=True)`` then ``FillHolesd("pred")``; None: the argmax. The ROI mask
+            and ``keep_largest_component`` follow it. (Not MONAI's batch-level postprocessing: a case here is
+            predicted by several methods, each post-processed alone.)
     """
 
     def __init__(
@@ -179,7 +185,11 @@ class CaseEvaluator(SupervisedEvaluator):
         key_val_metric: Mapping[str, Metric] | None = None,
         additional_metrics: Mapping[str, Metric] | None = None,
         metric_cmp_fn: Callable | None = None,
+        postprocessing: Callable[[dict], Mapping] | None = None,
     ) -> None:
+        if postprocessing is not None and not callable(postprocessing):
+            raise TypeError(f"postprocessing must be callable (MONAI transforms), not {type(postprocessing).__name__}")
+        self.case_postprocessing = postprocessing
         # everything a handler reads when it is attached (at the end of Evaluator.__init__) is set first
         self.largest_component_classes = component_classes(keep_largest_component, num_classes)
         if not inferers:
@@ -234,6 +244,7 @@ class CaseEvaluator(SupervisedEvaluator):
                         engine.state.device, case, image_key=self.image_key, label_key=self.label_key,
                         spacing=self.spacing, spacing_key=self.spacing_key, roi_key=self.roi_key,
                         largest_component_classes=self.largest_component_classes,
+                        postprocessing=self.case_postprocessing,
                     )  # fmt: skip
                 return {"case": case, "rows": rows, "spacing_unknown": unknown}
             except Exception as err:  # noqa: BLE001 - recorded with its reason; the other cases go on
@@ -337,6 +348,7 @@ def evaluate_cases(
     roi_key: str | None = ROI_KEY,
     num_workers: int = 0,
     key_method: str | None = None,
+    postprocessing: Callable[[dict], Mapping] | None = None,
 ) -> dict:
     """Dice, sensitivity, precision and HD95 of every case under every inferer; returns the metrics dict.
 
@@ -373,6 +385,8 @@ def evaluate_cases(
         num_workers: DataLoader workers loading the next cases while one is predicted (0: in this process).
         key_method: the method whose mean Dice is the evaluator's key metric (the one MONAI logs as the best);
             default: the first of ``inferers``.
+        postprocessing: MONAI dictionary transforms turning each method's prediction of a case into its class map
+            before it is scored (see :class:`CaseEvaluator`); None: the argmax.
 
     Returns:
         ``{method: {"mean_dice", "mean_dice_per_class", "summary": {metric: {"mean", "per_class",
@@ -393,6 +407,7 @@ def evaluate_cases(
         device, loader, network, inferers, num_classes, keep_largest_component=keep_largest_component,
         spacing=spacing, spacing_key=spacing_key, image_key=image_key, label_key=label_key, roi_key=roi_key,
         val_handlers=handlers, key_val_metric=None if key_method is None else method_mean_dice(key_method),
+        postprocessing=postprocessing,
     )  # fmt: skip
     evaluator.run()
     return metrics.metrics

@@ -20,6 +20,8 @@ from monai.inferers import Inferer
 from tqdm.auto import tqdm
 
 from jcsaug.data.roi import ROI_KEY, mask_outside_roi
+from jcsaug.evaluation.class_maps import class_map
+from jcsaug.evaluation.evaluator import case_name
 from jcsaug.evaluation.metrics import (
     VALIDATION_COMPONENT_CLASSES,
     ComponentClasses,
@@ -65,6 +67,7 @@ def choose_component_classes(
     label_key: str = "label",
     progress: bool = True,
     roi_key: str | None = ROI_KEY,
+    postprocessing: Callable[[dict], Mapping] | None = None,
 ) -> tuple[int, ...]:
     """The foreground classes whose largest-component post-processing raises their mean Dice on ``cases``.
 
@@ -79,6 +82,8 @@ def choose_component_classes(
         candidates: the classes considered (default: every foreground class).
         roi_key: where ``load`` gives a case's region of interest: predictions outside it are background before
             the choice, as in the test metrics (:func:`~jcsaug.evaluation.evaluate_cases`); None: never masked.
+        postprocessing: MONAI dictionary transforms turning the prediction into its class map before the choice,
+            as the test metrics' (:func:`~jcsaug.evaluation.segmentation.class_map`); None: the argmax.
 
     Returns:
         The chosen classes, sorted (``()`` when none helps).
@@ -98,11 +103,14 @@ def choose_component_classes(
     without: dict[int, list[float]] = {c: [] for c in classes}
     with_lcc: dict[int, list[float]] = {c: [] for c in classes}
     with torch.no_grad():
-        for entry in tqdm(cases, desc="choose post-processing", disable=not progress):
+        for index, entry in enumerate(tqdm(cases, desc="choose post-processing", disable=not progress)):
             data = load(entry)
             image = torch.as_tensor(data[image_key]).unsqueeze(0).to(device)
             roi = data.get(roi_key) if roi_key is not None else None
-            pred = mask_outside_roi(inferer(image, network).argmax(1, keepdim=True).cpu(), roi)
+            case = f"validation case {case_name(entry, index, image_key)}"
+            output = inferer(image, network)
+            segmentation = class_map(output, num_classes, postprocessing, data, case, image_key=image_key)
+            pred = mask_outside_roi(segmentation, roi)[None, None]
             truth = torch.as_tensor(data[label_key]).cpu()[None]
             # one pass for every class: each keeps its own largest component, independently of the others
             kept = largest_connected_component(pred[0, 0], num_classes, classes=classes)[None, None]

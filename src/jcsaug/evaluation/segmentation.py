@@ -16,7 +16,7 @@ import io
 import json
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,7 @@ from monai.metrics import DiceMetric
 from monai.networks.utils import one_hot
 
 from jcsaug.data.roi import ROI_KEY, mask_outside_roi
+from jcsaug.evaluation.class_maps import class_map
 from jcsaug.evaluation.metrics import (
     METRICS,
     case_metrics,
@@ -245,9 +246,13 @@ def score_case(
     spacing_key: str | None = None,
     largest_component_classes: Sequence[int] = (),
     roi_key: str | None = ROI_KEY,
+    postprocessing: Callable[[dict], Mapping] | None = None,
+    pred_key: str = "pred",
 ) -> tuple[dict[str, dict], bool]:
     """One loaded case (``data``, from the datalist ``entry``) under every inferer: ``({method: row}, whether its
-    spacing was unknown`` (then 1 mm voxels)); the rows are those of :func:`~jcsaug.evaluation.evaluate_cases`."""
+    spacing was unknown`` (then 1 mm voxels)); the rows are those of :func:`~jcsaug.evaluation.evaluate_cases`.
+    ``postprocessing`` turns each method's output into its class map (:func:`class_map`) before the ROI mask and
+    the largest component."""
     unknown_spacing = False
     if spacing is not None:
         voxel = np.broadcast_to(np.asarray(spacing, dtype=float), (data[image_key].ndim - 1,)).tolist()
@@ -262,7 +267,9 @@ def score_case(
     rows = {}
     outputs = MemberOutputs(inferers.values())
     for name, inferer in inferers.items():
-        pred = mask_outside_roi(outputs.predict(inferer, image, network).argmax(1)[0].cpu(), roi)
+        output = outputs.predict(inferer, image, network)
+        segmentation = class_map(output, num_classes, postprocessing, data, f"method {name!r}", pred_key, image_key)
+        pred = mask_outside_roi(segmentation, roi)
         values = case_metrics(pred, label[0], num_classes, voxel,
                               keep_largest_component=tuple(largest_component_classes))  # fmt: skip
         row = {"case": case, "dice": values["dice"], "mean_dice": _mean(values["dice"])}

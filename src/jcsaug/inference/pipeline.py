@@ -33,6 +33,7 @@ from monai.transforms import (
 )
 
 from jcsaug.data.roi import ROI_KEY, ThresholdROId, mask_outside_roi
+from jcsaug.evaluation.class_maps import class_map
 from jcsaug.evaluation.metrics import (
     ComponentClasses,
     component_classes,
@@ -97,6 +98,10 @@ class LogitsToSegmentationd(MapTransform):
         roi_key: where the ROI is (:class:`~jcsaug.data.ThresholdROId`); None: not masked.
         meta_key: the image whose metadata the map takes (if it is a MetaTensor; else the logits', if they are one).
         allow_missing_keys: skip absent logits.
+        postprocessing: MONAI dictionary transforms turning the logits into the class map before the ROI mask and
+            the largest component, as the evaluation's
+            (:func:`~jcsaug.evaluation.segmentation.class_map`: the data with the logits under their key in, the key
+            as class scores or one channel of class ids out); None: the argmax.
     """
 
     def __init__(
@@ -106,8 +111,12 @@ class LogitsToSegmentationd(MapTransform):
         roi_key: str | None = ROI_KEY,
         meta_key: str | None = "image",
         allow_missing_keys: bool = False,
+        postprocessing: Callable[[dict], Mapping] | None = None,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
+        if postprocessing is not None and not callable(postprocessing):
+            raise TypeError(f"postprocessing must be callable (MONAI transforms), not {type(postprocessing).__name__}")
+        self.postprocessing = postprocessing
         parse_component_classes(keep_largest_component)  # a bad form fails when the pipeline is built
         self.keep_largest_component = keep_largest_component
         self.roi_key = roi_key
@@ -120,7 +129,9 @@ class LogitsToSegmentationd(MapTransform):
             logits = d[key]
             if logits.ndim < 2:
                 raise ValueError(f"{key!r} must be [C, *spatial] logits, got shape {tuple(logits.shape)}")
-            seg = mask_outside_roi(logits.argmax(0, keepdim=True).to(torch.uint8).cpu(), roi)
+            classes_map = class_map(logits[None], logits.shape[0], self.postprocessing, d, f"{key!r}", pred_key=key,
+                                    image_key=self.meta_key or "image")  # fmt: skip
+            seg = mask_outside_roi(classes_map[None].to(torch.uint8), roi)
             classes = component_classes(self.keep_largest_component, logits.shape[0])
             if classes:
                 seg = largest_connected_component(seg[0], logits.shape[0], classes=classes).to(torch.uint8)[None]
@@ -162,13 +173,16 @@ def prediction_postprocessing(
     image_key: str = "image",
     keep_largest_component: ComponentClasses = False,
     roi_threshold: float | None = None,
+    postprocessing: Callable[[dict], Mapping] | None = None,
 ) -> Compose:
     """What becomes of a case's logits: a uint8 class map (:class:`LogitsToSegmentationd`), turned back through the
     invertible steps of ``preprocessing`` (MONAI's ``Invertd``: the reorientation, so the map has the input's shape,
-    affine and voxel order) and saved as ``output_dir/<name>_seg.nii.gz`` (MONAI's ``SaveImaged``)."""
+    affine and voxel order) and saved as ``output_dir/<name>_seg.nii.gz`` (MONAI's ``SaveImaged``). ``postprocessing``:
+    MONAI dictionary transforms of the logits (``"pred"``) before the class map is made, as the evaluation's."""
     steps: list[Callable] = [
         LogitsToSegmentationd(
-            PRED_KEY, keep_largest_component, roi_key=ROI_KEY if roi_threshold is not None else None, meta_key=image_key
+            PRED_KEY, keep_largest_component, roi_key=ROI_KEY if roi_threshold is not None else None,
+            meta_key=image_key, postprocessing=postprocessing,
         )
     ]
     if any(isinstance(t, InvertibleTransform) for t in preprocessing.flatten().transforms):

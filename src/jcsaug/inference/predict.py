@@ -35,6 +35,7 @@ def predict_cases(
     keep_largest_component: ComponentClasses = False,
     roi_threshold: float | None = None,
     num_workers: int = 0,
+    segmentation_postprocessing: Callable[[dict], Mapping] | None = None,
 ) -> list[Path]:
     """Segment every case (``{"image": path}``) and write ``<name>_seg.nii.gz`` files (uint8 class maps) to
     ``output_dir``; returns their paths.
@@ -49,13 +50,15 @@ def predict_cases(
     its form is checked first, its classes against the network's on the first case, before anything is written).
     ``roi_threshold``: the task's region of interest (:class:`~jcsaug.data.ThresholdROId`, computed on the image as
     read, before ``preprocess``: HU for CT): the segmentation is background outside it, as in the evaluation;
-    None: not masked. The network is moved to ``device`` and predicts in eval mode. Two inputs whose file names give
-    the same output name are refused before anything is written.
+    None: not masked. ``segmentation_postprocessing``: MONAI dictionary transforms turning the logits (``"pred"``)
+    into the class map before the ROI mask and the largest component, as the evaluation's
+    (:func:`~jcsaug.evaluation.class_map`); None: the argmax. The network is moved to ``device`` and predicts in eval
+    mode. Two inputs whose file names give the same output name are refused before anything is written.
     """
     written = check_prediction_cases(cases, output_dir, image_key, keep_largest_component)
     preprocessing = prediction_preprocessing(image_key, orientation, preprocess, roi_threshold)
     postprocessing = prediction_postprocessing(
-        preprocessing, output_dir, image_key, keep_largest_component, roi_threshold
+        preprocessing, output_dir, image_key, keep_largest_component, roi_threshold, segmentation_postprocessing
     )
     handlers = [ProgressBar(desc="predict", persist=True)] if progress else []
     evaluator = prediction_evaluator(
