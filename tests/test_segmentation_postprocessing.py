@@ -47,6 +47,7 @@ def test_the_class_map_is_the_argmax_or_what_the_postprocessing_makes_of_the_pre
         (lambda d: {"seg": d["pred"]}, r"not a dict without it \(keys \['seg'\]\)"),
         (lambda d: {"pred": d["pred"][:2]}, r"'pred' of shape \(2, 4, 5, 6\); expected \(3, 4, 5, 6\) class scores"),
         (lambda d: {"pred": d["pred"][:1, :3]}, r"'pred' of shape \(1, 3, 5, 6\); expected"),
+        (lambda d: {"pred": d["pred"] * float("nan")}, r"class scores that are not all finite \(360 NaN or infinite"),
         (lambda d: {"pred": torch.full((1, 4, 5, 6), 0.5)}, r"values that are not class ids 0..2 \(from 0.5 to 0.5\)"),
         (lambda d: {"pred": torch.full((1, 4, 5, 6), 3)}, r"not class ids 0..2 \(from 3 to 3\)"),
         (lambda d: {"pred": torch.full((1, 4, 5, 6), -1)}, r"not class ids 0..2 \(from -1 to -1\)"),

@@ -47,6 +47,9 @@ def class_map(
                          f"{tuple(post.shape)}; expected {(num_classes, *spatial)} class scores or {(1, *spatial)} "
                          "class ids")  # fmt: skip
     if post.shape[0] == num_classes and num_classes > 1:
+        if post.is_floating_point() and not bool(torch.isfinite(post).all()):
+            raise ValueError(f"the postprocessing of {what} returned {pred_key!r} class scores that are not all finite "
+                             f"({int((~torch.isfinite(post)).sum())} NaN or infinite values)")  # fmt: skip
         return post.argmax(0)
     ids = post[0].round().long()
     if not torch.equal(ids.to(post.dtype), post[0]) or int(ids.min()) < 0 or int(ids.max()) >= num_classes:
