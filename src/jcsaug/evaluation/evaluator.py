@@ -160,7 +160,7 @@ class CaseEvaluator(SupervisedEvaluator):
             either is added here.
         metric_cmp_fn: how MONAI compares two values of the key metric (default: higher is better).
         postprocessing: MONAI dictionary transforms that turn each method's output of a case into its class map
-            before it is scored (:func:`~jcsaug.evaluation.segmentation.class_map`: ``{**loaded case, "pred":
+            before it is scored (:func:`~jcsaug.evaluation.class_maps.class_map`: ``{**loaded case, "pred":
             the method's C channels of logits}`` in, ``"pred"`` as class scores or one channel of class ids out),
             e.g. ``AsDiscreted("pred", argmax=True)`` then ``FillHolesd("pred")``; None: the argmax. The ROI mask
             and ``keep_largest_component`` follow it. (Not MONAI's batch-level postprocessing: a case here is

@@ -83,7 +83,7 @@ def choose_component_classes(
         roi_key: where ``load`` gives a case's region of interest: predictions outside it are background before
             the choice, as in the test metrics (:func:`~jcsaug.evaluation.evaluate_cases`); None: never masked.
         postprocessing: MONAI dictionary transforms turning the prediction into its class map before the choice,
-            as the test metrics' (:func:`~jcsaug.evaluation.segmentation.class_map`); None: the argmax.
+            as the test metrics' (:func:`~jcsaug.evaluation.class_maps.class_map`); None: the argmax.
 
     Returns:
         The chosen classes, sorted (``()`` when none helps).

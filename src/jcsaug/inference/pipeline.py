@@ -100,7 +100,7 @@ class LogitsToSegmentationd(MapTransform):
         allow_missing_keys: skip absent logits.
         postprocessing: MONAI dictionary transforms turning the logits into the class map before the ROI mask and
             the largest component, as the evaluation's
-            (:func:`~jcsaug.evaluation.segmentation.class_map`: the data with the logits under their key in, the key
+            (:func:`~jcsaug.evaluation.class_maps.class_map`: the data with the logits under their key in, the key
             as class scores or one channel of class ids out); None: the argmax.
     """
 
