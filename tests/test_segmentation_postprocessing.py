@@ -11,6 +11,7 @@ from monai.data import MetaTensor
 from monai.inferers import SimpleInferer
 from monai.transforms import Activationsd, AsDiscreted, Compose, FillHolesd
 
+from jcsaug.engine import RunSummary
 from jcsaug.evaluation import choose_component_classes, class_map, evaluate_cases
 
 ARGMAX = Compose([Activationsd("pred", softmax=True), AsDiscreted("pred", argmax=True)])
@@ -95,6 +96,12 @@ def test_the_evaluation_scores_every_methods_prediction_after_the_postprocessing
     assert [filled[m]["per_case"][0]["dice"] for m in inferers] == [pytest.approx([2 * 27 / (27 + 28)])] * 2
     both = evaluate(holed, postprocessing=FILLED, keep_largest_component=True)
     assert [both[m]["mean_dice"] for m in inferers] == [1.0, 1.0]
+    # recorded in metrics.json and named by the run summary
+    assert plain["none"]["segmentation_postprocessing"] is None
+    assert filled["none"]["segmentation_postprocessing"] == "AsDiscreted, FillHolesd"
+    lines = RunSummary(tmp_path).lines(filled)
+    assert "  predictions post-processed by AsDiscreted, FillHolesd (segmentation_postprocessing)" in lines
+    assert not [line for line in RunSummary(tmp_path).lines(plain) if "post-processed" in line]
     truth = evaluate(holed, postprocessing=lambda d: {**d, "pred": d["label"]})
     assert {m: r["mean_dice"] for m, r in truth.items()} == {"none": 1.0, "other": 1.0}
     with pytest.raises(ValueError, match=r"a: .*the postprocessing of method 'none' returned 'pred' of shape"):

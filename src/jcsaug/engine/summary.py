@@ -71,6 +71,9 @@ class RunSummary:
             masked = sum(bool(row.get("roi_masked")) for row in rows)
             if masked:
                 out.append(f"  predictions outside the task's ROI are background ({masked} of {len(rows)} cases)")
+            transforms = next(iter(methods.values())).get("segmentation_postprocessing")
+            if transforms:
+                out.append(f"  predictions post-processed by {transforms} (segmentation_postprocessing)")
             kept = next(iter(methods.values())).get("largest_component_classes")
             if kept:
                 on_validation = (self.output_dir / POSTPROCESSING_NAME).is_file()

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 import torch
 from monai.data import MetaTensor
 
-__all__ = ["class_map"]
+__all__ = ["class_map", "describe_postprocessing"]
 
 
 def class_map(
@@ -56,3 +56,13 @@ def class_map(
         raise ValueError(f"the postprocessing of {what} returned {pred_key!r} values that are not class "
                          f"ids 0..{num_classes - 1} (from {float(post.min()):g} to {float(post.max()):g})")  # fmt: skip
     return ids
+
+
+def describe_postprocessing(postprocessing: Callable | None) -> str | None:
+    """How ``metrics.json`` and the run summary name a postprocessing: a MONAI ``Compose``'s transforms by class, in
+    order (nested ones flattened), e.g. ``"AsDiscreted, FillHolesd"``; another callable by its name; None: None."""
+    if postprocessing is None:
+        return None
+    flatten = getattr(postprocessing, "flatten", None)
+    steps = list(flatten().transforms) if callable(flatten) else [postprocessing]
+    return ", ".join(getattr(step, "__name__", None) or type(step).__name__ for step in steps)

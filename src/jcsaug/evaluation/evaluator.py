@@ -36,6 +36,7 @@ from monai.inferers import Inferer
 
 from jcsaug.data.checks import describe_error
 from jcsaug.data.roi import ROI_KEY
+from jcsaug.evaluation.class_maps import describe_postprocessing
 from jcsaug.evaluation.metrics import ComponentClasses, component_classes, nanmean
 from jcsaug.evaluation.segmentation import (
     check_extra_names,
@@ -319,7 +320,8 @@ class CaseMetrics:
             )
         per_method = {method: self._rows.get(method, []) for method in engine.methods}
         self.metrics = summarize_methods(per_method, self._failed, engine.num_classes,
-                                         engine.largest_component_classes, self._subsets)  # fmt: skip
+                                         engine.largest_component_classes, self._subsets,
+                                         describe_postprocessing(engine.case_postprocessing))  # fmt: skip
         write_metrics(self.metrics, self.output_path, self.csv_path, self.extra)
         if self._failed and as_flag(self.strict):
             listed = "\n  ".join(f"{f['case']}: {f['error']}" for f in self._failed)
@@ -393,7 +395,7 @@ def evaluate_cases(
         "n_undefined", "n_undefined_per_class"}}, "empty_cases": {status: [count per class]},
         "per_case": [{"case", "dice", "mean_dice", "sensitivity", "precision", "hd95", "status",
         "spacing", "roi_masked"}], "failed_cases": [{"case", "error"}], "largest_component_classes": [the classes
-        post-processed]}}`` (with ``report_classes`` also
+        post-processed], "segmentation_postprocessing": its transforms named, or None}}`` (with ``report_classes`` also
         ``"mean_dice_reported": {name: {"classes", "mean_dice"}}``) — per-case metric values are lists over the
         foreground classes; means are over the cases that did not fail.
     """

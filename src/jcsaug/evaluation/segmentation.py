@@ -166,12 +166,14 @@ def summarize_methods(
     num_classes: int,
     largest_component_classes: Sequence[int] = (),
     report_subsets: Mapping[str, Sequence[int]] | None = None,
+    postprocessing: str | None = None,
 ) -> dict:
     """The metrics of every method from its cases' rows (see :func:`~jcsaug.evaluation.evaluate_cases`).
 
     ``per_method``: method -> the rows :func:`score_case` gave; ``failed``: ``{"case", "error"}`` of the cases that
     could not be loaded or segmented (listed under every method); ``report_subsets``: named foreground class subsets
-    (:func:`report_subsets`) whose mean Dice is given as ``"mean_dice_reported"``.
+    (:func:`report_subsets`) whose mean Dice is given as ``"mean_dice_reported"``; ``postprocessing``: how the
+    predictions' postprocessing is named (:func:`~jcsaug.evaluation.class_maps.describe_postprocessing`).
     """
     metrics = {
         name: {
@@ -182,6 +184,7 @@ def summarize_methods(
             "per_case": list(rows),
             "failed_cases": list(failed),
             "largest_component_classes": list(largest_component_classes),
+            "segmentation_postprocessing": postprocessing,
         }
         for name, rows in per_method.items()
     }
