@@ -156,3 +156,20 @@ def test_saved_predictions_are_postprocessed_as_the_evaluation_and_keep_the_inpu
         predict_cases(_Threshold(), [{"image": str(path)}], SimpleInferer(), tmp_path / "bad", progress=False,
                       segmentation_postprocessing=lambda d: {**d, "pred": d["pred"][None]})  # fmt: skip
     assert not list(tmp_path.glob("bad/*"))
+
+
+def test_the_report_says_when_the_methods_it_compares_were_post_processed_differently(tmp_path):
+    """``jcsaug report`` reads each run's ``metrics.json`` beside its ``per_case.csv``: runs evaluated with
+    different post-processing get a note naming each method's; alike (or unrecorded), none."""
+    from jcsaug.evaluation import build_report
+
+    case = _case(hole=True, island=True)
+    for run, settings in (("plain", {}), ("filled", {"postprocessing": FILLED, "keep_largest_component": True})):
+        evaluate_cases(_Oracle(), [{"image": "a"}], lambda e: case, {"none": SimpleInferer()}, 2, spacing=1.0,
+                       progress=False, output_path=tmp_path / run / "metrics.json", **settings)  # fmt: skip
+    both = build_report([tmp_path / "plain", tmp_path / "filled"]).to_markdown()
+    assert both.endswith("The methods' predictions were post-processed differently: plain/none: none; filled/none: "
+                         "AsDiscreted, FillHolesd then largest component of classes [1].\n")  # fmt: skip
+    assert "post-processed" not in build_report([tmp_path / "plain"]).to_markdown()
+    (tmp_path / "filled" / "metrics.json").unlink()  # a report needs only the CSV: nothing said then
+    assert "post-processed" not in build_report([tmp_path / "plain", tmp_path / "filled"]).to_markdown()

@@ -28,6 +28,8 @@ Input: the ``per_case.csv`` of one or more run directories (written by
   with an undefined value are dropped. It is 1.0 when all differences are zero, and NaN ("n/a") for the
   baseline itself or without any pair.
 - **ΔDSC** (only with a baseline): mean Dice minus the baseline's, in Dice points (×100) as in the paper's tables.
+- **Post-processing**: read from each run's ``metrics.json`` where there is one (``segmentation_postprocessing``,
+  ``largest_component_classes``); methods post-processed differently get a note under the table naming each one's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import math
 import sys
 from collections import Counter
@@ -49,6 +52,8 @@ from jcsaug.evaluation.metrics import HIGHER_IS_BETTER, METRICS, nanmean
 from jcsaug.utils import atomic_write_text
 
 PER_CASE_CSV = "per_case.csv"
+#: the metrics file written beside it (read for how each method's predictions were post-processed)
+METRICS_JSON = "metrics.json"
 #: how the methods' cases are paired (``--pair-by``): by their images' paths, or by the paths' file names
 PAIR_BY = ("path", "name")
 #: how a class absent from a case's label counts (``--absent-classes``): as the metrics score it, or left out
@@ -84,6 +89,8 @@ class Report:
     classes_name: str | None = None  # what ``classes`` are, e.g. "tumour" (from a task's report_classes)
     absent_classes: str = "score"  # how a class absent from a case's label counts (ABSENT_CLASSES)
     pair_by: str = "path"  # how the methods' cases were paired (PAIR_BY): their paths or their file names
+    #: how each method's predictions were post-processed, where its run's ``metrics.json`` says (methods_postprocessing)
+    postprocessing: dict[str, str] = field(default_factory=dict)
 
     def rows(self) -> list[dict]:
         """One flat dictionary per method (the CSV rows)."""
@@ -160,6 +167,9 @@ class Report:
         ]
         if undefined:
             lines.append("Cases with an undefined value (left out of means and tests): " + "; ".join(undefined) + ".")
+        if len(set(self.postprocessing.values())) > 1:
+            listed = "; ".join(f"{m}: {how}" for m, how in self.postprocessing.items())
+            lines.append(f"The methods' predictions were post-processed differently: {listed}.")
         return "\n".join(lines) + "\n"
 
 
@@ -277,12 +287,17 @@ def build_report(
     read_metrics = tuple(dict.fromkeys(("dice", *metrics)))  # Dice is always needed for ΔDSC
     values: dict[str, dict[str, dict[str, float]]] = {}
     names = _run_names([Path(d) for d in run_dirs])
+    postprocessing: dict[str, str] = {}
     for run_dir, run_name in zip(run_dirs, names):
         csv_path = Path(run_dir) / PER_CASE_CSV
         if not csv_path.is_file():
             raise ReportError(f"{run_dir}: no {PER_CASE_CSV} (is it a run directory that was evaluated?)")
+        recorded = methods_postprocessing(Path(run_dir) / METRICS_JSON)
         for method, per_metric in read_per_case(csv_path, read_metrics, classes, absent_classes).items():
-            values[method if len(run_dirs) == 1 else f"{run_name}/{method}"] = per_metric
+            name = method if len(run_dirs) == 1 else f"{run_name}/{method}"
+            values[name] = per_metric
+            if method in recorded:
+                postprocessing[name] = recorded[method]
     methods = list(values)
     if baseline is not None and baseline not in values:
         raise ReportError(f"unknown baseline {baseline!r}; methods are {methods}")
@@ -338,7 +353,28 @@ def build_report(
         values=table,
         absent_classes=absent_classes,
         pair_by=pair_by,
+        postprocessing={m: postprocessing[m] for m in methods if m in postprocessing},
     )
+
+
+def methods_postprocessing(metrics_path: Path) -> dict[str, str]:
+    """``{method: how its predictions were post-processed}`` from a run's ``metrics.json`` (its
+    ``segmentation_postprocessing``, then ``largest_component_classes``; ``"none"``), ``{}`` where the file is
+    missing or unreadable (a report needs only the CSV); a method whose entry records neither is left out."""
+    try:
+        recorded = json.loads(metrics_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    described = {}
+    for method, entry in recorded.items() if isinstance(recorded, dict) else ():
+        if not isinstance(entry, dict) or not {"segmentation_postprocessing", "largest_component_classes"} & set(entry):
+            continue
+        transforms = entry.get("segmentation_postprocessing")  # not recorded before it existed: none
+        steps = [str(transforms)] if transforms else []
+        if entry.get("largest_component_classes"):
+            steps.append(f"largest component of classes {entry['largest_component_classes']}")
+        described[method] = " then ".join(steps) or "none"
+    return described
 
 
 def _by_file_name(values: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
