@@ -239,6 +239,20 @@ def test_keep_largest_component_classes_are_checked_against_a_valid_num_classes_
     assert str(err.value) == "bad settings:\n  --num_classes 0: must be an integer >= 1"
 
 
+def test_segmentation_postprocessing_must_be_transforms_or_none():
+    """Refused before the run (the evaluation that applies it comes after the training), the forgotten ``$`` of an
+    expression named."""
+    from monai.transforms import FillHolesd
+
+    for good in (None, FillHolesd("pred"), lambda d: d):
+        check_settings(argv=[], segmentation_postprocessing=good)
+    must = "must be MONAI transforms, e.g. \"$monai.transforms.FillHolesd('pred')\", or None"
+    for bad, hint in (("monai.transforms.FillHolesd('pred')", " (an expression starts with $)"), (3, "")):
+        with pytest.raises(PreflightError) as err:
+            check_settings(argv=[], segmentation_postprocessing=bad)
+        assert str(err.value) == f"bad settings:\n  --segmentation_postprocessing {bad!r}: {must}{hint}"
+
+
 _TRA_PRESETS = "all-0.05, all-0.1, deepmedic, nnunet, randaugment-l, randaugment-m, randaugment-s, uniform"
 
 

@@ -251,6 +251,14 @@ def _optional_finite(value: Any) -> str | None:
     return None if value is None or _finite(value) else "must be a finite number, or None"
 
 
+def _optional_transforms(value: Any) -> str | None:
+    """MONAI transforms (any callable) or None; a string is the usual slip, an expression without its ``$``."""
+    if value is None or callable(value):
+        return None
+    hint = " (an expression starts with $)" if isinstance(value, str) else ""
+    return f"must be MONAI transforms, e.g. \"$monai.transforms.FillHolesd('pred')\", or None{hint}"
+
+
 def _optional_patch_size(value: Any) -> str | None:
     reason = None if value is None else _patch_size(value)
     return reason and f"{reason}, or None"
@@ -368,6 +376,7 @@ def _validators() -> dict[str, Any]:
         **dict.fromkeys(("resume", "overwrite", "train_on_val", "plots"), _flag),
         **dict.fromkeys(("tea_sliding_window", "tea_mask_out_of_view", "tea_volume_stats", "tra_val_tea"), _flag),
         "keep_largest_component": _component_classes,
+        "segmentation_postprocessing": _optional_transforms,
         "tra_mode": _one_of(TRA_MODES),
         "tea_mode": _one_of(TEA_MODES),
         "tra_estimator": _one_of(TRA_ESTIMATORS),
