@@ -3,6 +3,8 @@ largest-component choice reads and the inference saves, so the three agree; bad 
 
 from __future__ import annotations
 
+import re
+
 import nibabel as nib
 import numpy as np
 import pytest
@@ -173,3 +175,15 @@ def test_the_report_says_when_the_methods_it_compares_were_post_processed_differ
     assert "post-processed" not in build_report([tmp_path / "plain"]).to_markdown()
     (tmp_path / "filled" / "metrics.json").unlink()  # a report needs only the CSV: nothing said then
     assert "post-processed" not in build_report([tmp_path / "plain", tmp_path / "filled"]).to_markdown()
+
+
+def test_a_postprocessing_that_is_not_callable_is_refused_where_it_is_given():
+    """The evaluation and the inference's class map refuse it when built, before any case is segmented."""
+    from jcsaug.inference.pipeline import LogitsToSegmentationd
+
+    message = "postprocessing must be callable (MONAI transforms), not str"
+    with pytest.raises(TypeError, match=rf"^{re.escape(message)}$"):
+        evaluate_cases(_Oracle(), [{"image": "a"}], lambda e: _case(), {"none": SimpleInferer()}, 2, spacing=1.0,
+                       progress=False, postprocessing="FillHolesd")  # fmt: skip
+    with pytest.raises(TypeError, match=rf"^{re.escape(message)}$"):
+        LogitsToSegmentationd("pred", postprocessing="FillHolesd")

@@ -67,14 +67,15 @@ class RunSummary:
             means = {name: values["mean_dice"] for name, values in methods.items()}
             out.append(f"  {self.split} Dice (mean of {n} cases; no TTA = none): {_dice_changes(means)}")
             out += _reported_dice(methods, self.split)
-            rows = next(iter(methods.values())).get("per_case", [])
+            first = next(iter(methods.values()))  # what every method shares: cases, ROI, post-processing
+            rows = first.get("per_case", [])
             masked = sum(bool(row.get("roi_masked")) for row in rows)
             if masked:
                 out.append(f"  predictions outside the task's ROI are background ({masked} of {len(rows)} cases)")
-            transforms = next(iter(methods.values())).get("segmentation_postprocessing")
+            transforms = first.get("segmentation_postprocessing")
             if transforms:
                 out.append(f"  predictions post-processed by {transforms} (segmentation_postprocessing)")
-            kept = next(iter(methods.values())).get("largest_component_classes")
+            kept = first.get("largest_component_classes")
             if kept:
                 on_validation = (self.output_dir / POSTPROCESSING_NAME).is_file()
                 how = " (chosen on the validation cases)" if on_validation else ""

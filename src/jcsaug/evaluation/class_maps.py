@@ -9,7 +9,15 @@ from collections.abc import Callable, Mapping
 import torch
 from monai.data import MetaTensor
 
-__all__ = ["class_map", "describe_postprocessing"]
+__all__ = ["check_postprocessing", "class_map", "describe_postprocessing"]
+
+
+def check_postprocessing(postprocessing: object) -> Callable[[dict], Mapping] | None:
+    """``postprocessing`` itself if it is None or callable (MONAI transforms), else a ``TypeError`` naming its type:
+    what :class:`~jcsaug.evaluation.CaseEvaluator` and :class:`~jcsaug.inference.LogitsToSegmentationd` accept."""
+    if postprocessing is not None and not callable(postprocessing):
+        raise TypeError(f"postprocessing must be callable (MONAI transforms), not {type(postprocessing).__name__}")
+    return postprocessing
 
 
 def class_map(

@@ -36,7 +36,7 @@ from monai.inferers import Inferer
 
 from jcsaug.data.checks import describe_error
 from jcsaug.data.roi import ROI_KEY
-from jcsaug.evaluation.class_maps import describe_postprocessing
+from jcsaug.evaluation.class_maps import check_postprocessing, describe_postprocessing
 from jcsaug.evaluation.metrics import ComponentClasses, component_classes, nanmean
 from jcsaug.evaluation.segmentation import (
     check_extra_names,
@@ -188,9 +188,7 @@ class CaseEvaluator(SupervisedEvaluator):
         metric_cmp_fn: Callable | None = None,
         postprocessing: Callable[[dict], Mapping] | None = None,
     ) -> None:
-        if postprocessing is not None and not callable(postprocessing):
-            raise TypeError(f"postprocessing must be callable (MONAI transforms), not {type(postprocessing).__name__}")
-        self.case_postprocessing = postprocessing
+        self.case_postprocessing = check_postprocessing(postprocessing)
         # everything a handler reads when it is attached (at the end of Evaluator.__init__) is set first
         self.largest_component_classes = component_classes(keep_largest_component, num_classes)
         if not inferers:

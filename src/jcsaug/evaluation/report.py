@@ -353,7 +353,7 @@ def build_report(
         values=table,
         absent_classes=absent_classes,
         pair_by=pair_by,
-        postprocessing={m: postprocessing[m] for m in methods if m in postprocessing},
+        postprocessing=postprocessing,
     )
 
 

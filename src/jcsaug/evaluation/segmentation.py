@@ -250,7 +250,6 @@ def score_case(
     largest_component_classes: Sequence[int] = (),
     roi_key: str | None = ROI_KEY,
     postprocessing: Callable[[dict], Mapping] | None = None,
-    pred_key: str = "pred",
 ) -> tuple[dict[str, dict], bool]:
     """One loaded case (``data``, from the datalist ``entry``) under every inferer: ``({method: row}, whether its
     spacing was unknown`` (then 1 mm voxels)); the rows are those of :func:`~jcsaug.evaluation.evaluate_cases`.
@@ -271,7 +270,7 @@ def score_case(
     outputs = MemberOutputs(inferers.values())
     for name, inferer in inferers.items():
         output = outputs.predict(inferer, image, network)
-        segmentation = class_map(output, num_classes, postprocessing, data, f"method {name!r}", pred_key, image_key)
+        segmentation = class_map(output, num_classes, postprocessing, data, f"method {name!r}", image_key=image_key)
         pred = mask_outside_roi(segmentation, roi)
         values = case_metrics(pred, label[0], num_classes, voxel,
                               keep_largest_component=tuple(largest_component_classes))  # fmt: skip

@@ -33,7 +33,7 @@ from monai.transforms import (
 )
 
 from jcsaug.data.roi import ROI_KEY, ThresholdROId, mask_outside_roi
-from jcsaug.evaluation.class_maps import class_map
+from jcsaug.evaluation.class_maps import check_postprocessing, class_map
 from jcsaug.evaluation.metrics import (
     ComponentClasses,
     component_classes,
@@ -114,9 +114,7 @@ class LogitsToSegmentationd(MapTransform):
         postprocessing: Callable[[dict], Mapping] | None = None,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
-        if postprocessing is not None and not callable(postprocessing):
-            raise TypeError(f"postprocessing must be callable (MONAI transforms), not {type(postprocessing).__name__}")
-        self.postprocessing = postprocessing
+        self.postprocessing = check_postprocessing(postprocessing)
         parse_component_classes(keep_largest_component)  # a bad form fails when the pipeline is built
         self.keep_largest_component = keep_largest_component
         self.roi_key = roi_key
