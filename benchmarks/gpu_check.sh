@@ -9,6 +9,8 @@
 # DRY=1 rehearses the same steps on the CPU with tiny settings. END (seconds, default 510) bounds the second part.
 # LQ_ARGS replaces the learning-quality benchmark's modes/seeds/shift (e.g. LQ_ARGS="--modes heuristic+mirror
 # class-specific+joint --seeds 0 1 2 3 4 5" LQ_JOBS=12); TIMINGS=0 skips part 1; PYTEST_WORKERS (default 6).
+# PYTEST_FIRST=S runs the test suite alone first (at most S seconds), then the learning-quality benchmark alone with
+# the time left: each gets the machine's cores, and a suite cut short still leaves the benchmark its time.
 set -u
 OUT=${OUT:-gpu_check_out}; mkdir -p "$OUT"
 T0=$(date +%s)
@@ -38,17 +40,28 @@ timeout 110 python3 benchmarks/bench_policy_learning.py --device $DEV > "$OUT/be
 echo "policy learning rc=$? t=$(elapsed)" >> "$OUT/timeline.log"
 fi
 
-# 2. learning quality beside the test suite (-v: every test's name as it ends, so a cut run still names failures)
-LEFT=$(( END - $(elapsed) ))
-( timeout $LEFT python3 benchmarks/bench_learning_quality.py --device $DEV --jobs $LQ_JOBS --threads 1 --out /tmp/lq \
-    "${LQ_EXTRA[@]}" > "$OUT/bench_learning_quality.log" 2>&1
-  echo "learning quality rc=$? t=$(elapsed)" >> "$OUT/timeline.log" ) &
 TIMEOUT=(); python3 -c "import pytest_timeout" 2> /dev/null && TIMEOUT=(--timeout 600)  # one hung test fails alone
 # (600: a test of three bundle trainings took 93 s alone on an H100 machine, likely over 300 s beside 12 runs)
-( timeout $(( LEFT - 20 )) python3 -m pytest -v -rf -p no:cacheprovider "${TIMEOUT[@]}" "${PYTEST[@]}" \
-    > "$OUT/pytest.log" 2>&1
-  echo "pytest rc=$? t=$(elapsed)" >> "$OUT/timeline.log" ) &
-wait
+run_tests() {  # -v: every test's name as it ends, so a cut run still names failures
+  timeout "$1" python3 -m pytest -v -rf -p no:cacheprovider "${TIMEOUT[@]}" "${PYTEST[@]}" > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$? t=$(elapsed)" >> "$OUT/timeline.log"
+}
+run_learning_quality() {
+  timeout "$1" python3 benchmarks/bench_learning_quality.py --device $DEV --jobs $LQ_JOBS --threads 1 --out /tmp/lq \
+    "${LQ_EXTRA[@]}" > "$OUT/bench_learning_quality.log" 2>&1
+  echo "learning quality rc=$? t=$(elapsed)" >> "$OUT/timeline.log"
+}
+
+# 2. the test suite and the learning-quality benchmark: one after the other (PYTEST_FIRST), or side by side
+if [ -n "${PYTEST_FIRST:-}" ]; then
+  run_tests "$PYTEST_FIRST"
+  run_learning_quality $(( END - $(elapsed) ))
+else
+  LEFT=$(( END - $(elapsed) ))
+  run_learning_quality $LEFT &
+  run_tests $(( LEFT - 20 )) &
+  wait
+fi
 tar czf "$OUT/learning_quality_runs.tgz" -C /tmp/lq --exclude='*.pt' --exclude=tensorboard --exclude='*.png' \
   --exclude='*.nii.gz' . 2>> "$OUT/timeline.log"
 echo "all done t=$(elapsed)" >> "$OUT/timeline.log"

@@ -320,11 +320,14 @@ def test_an_inference_workflow_saves_what_the_network_predicts(tmp_path):
     cases = workflow.parser.get_parsed_content("test_files")
     saved = sorted((run / "predictions").glob("*_seg.nii.gz"))
     assert [p.name for p in saved] == sorted(Path(c["image"]).name.replace(".nii.gz", "_seg.nii.gz") for c in cases)
+    device = workflow.parser.get_parsed_content("device")  # the workflow's (a GPU's kernels differ from the CPU's)
+    network.to(device)
     for case in cases:
         image = nib.load(case["image"])
         assert nib.aff2axcodes(image.affine) == ("R", "A", "S")  # read as stored: the network sees the array as is
         with torch.no_grad():
-            logits = workflow.inferer(torch.as_tensor(image.get_fdata(), dtype=torch.float32)[None, None], network)
+            volume = torch.as_tensor(image.get_fdata(), dtype=torch.float32)[None, None]
+            logits = workflow.inferer(volume.to(device), network).cpu()
         written = nib.load(run / "predictions" / Path(case["image"]).name.replace(".nii.gz", "_seg.nii.gz"))
         assert written.get_data_dtype() == np.uint8
         np.testing.assert_allclose(written.affine, image.affine, atol=1e-5)
@@ -398,7 +401,8 @@ def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(t
     assert workflow.evaluator.state.best_metric == reported["none_mean_dice"]
     parser = workflow.parser
     expected = evaluate_cases(network, parser.get_parsed_content("test_files"), parser.get_parsed_content("load"),
-                              parser.get_parsed_content("validate#inferer"), 2, progress=False)  # fmt: skip
+                              parser.get_parsed_content("validate#inferer"), 2, progress=False,
+                              device=parser.get_parsed_content("device"))  # on the workflow's device  # fmt: skip
     assert reported == pytest.approx({f"{m}_mean_dice": r["mean_dice"] for m, r in expected.items()})
     # segmentation_postprocessing (validate#postprocessing): here a transform that makes each prediction the label
     labelled = ConfigWorkflow(
@@ -446,7 +450,8 @@ def test_monai_fl_evaluates_the_servers_weights_with_evaluate_yaml(tmp_path):
         check = bundle_parser("synthetic_lesion").get_parsed_content("network_def")  # a network of its own
         check.load_state_dict(weights)
         expected = evaluate_cases(check, parser.get_parsed_content("test_files"), parser.get_parsed_content("load"),
-                                  parser.get_parsed_content("validate#inferer"), 2, progress=False)  # fmt: skip
+                                  parser.get_parsed_content("validate#inferer"), 2, progress=False,
+                                  device=parser.get_parsed_content("device"))  # on the client's device  # fmt: skip
         assert set(result) == {"none_mean_dice", "heuristic_mean_dice"}
         assert result == pytest.approx({f"{m}_mean_dice": r["mean_dice"] for m, r in expected.items()})
         results.append(dict(result))  # (the evaluator's state.metrics: the same dict every round)

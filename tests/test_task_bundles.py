@@ -371,7 +371,8 @@ def test_deepmedic_patches_are_centred_inside_the_volume_and_labels_stay_classes
     import numpy as np
 
     parser = bundle_parser("kits19_tumor", dataset_dir=str(prepared["kits19_tumor"][1]), network="deepmedic",
-                     network_kwargs={"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]})  # fmt: skip
+                           network_kwargs={"feature_maps": [4] * 8, "fc_feature_maps": [8, 8]},
+                           augment_on="worker")  # the workers' cut patches (auto cuts on a GPU's batches)  # fmt: skip
     files = parser.get_parsed_content("train_files")
     prefix = parser.get_parsed_content("load_transforms") + parser.get_parsed_content("patch_sampling")
     item = dict(files[0])
@@ -447,7 +448,7 @@ def test_training_patches_carry_the_tra_context_until_the_cascade_returns_the_pa
     if augment_on == "device":
         batch = parser.get_parsed_content("device_augmentation").transform(list_data_collate(samples))
         assert tuple(batch["image"].shape[2:]) == input_size and tuple(batch["label"].shape[2:]) == output_size
-        assert set(np.unique(np.asarray(batch["label"])).tolist()) <= {0, 1, 2}
+        assert set(np.unique(np.asarray(batch["label"].cpu())).tolist()) <= {0, 1, 2}  # on the device's GPU, if any
     plain = bundle_parser("kits19_tumor", **kw, tra_context=0)
     assert plain.get_parsed_content("context") == (0, 0, 0)
     for sample in plain.get_parsed_content("train_dataset")[0]:
