@@ -294,3 +294,25 @@ def test_runs_on_copies_of_one_dataset_are_paired_by_file_name_when_asked(tmp_pa
     assert "pair-by" not in str(error.value)  # the file names would not pair them either: no hint
     with pytest.raises(ReportError, match="pair_by 'id': must be one of"):
         build_report([first], pair_by="id")
+
+
+def test_per_case_csv_files_are_inputs_named_by_their_folder_and_suffix(tmp_path, capsys):
+    """A per-case CSV itself is an input (``evaluate.yaml``'s ``per_case_evaluate.csv``): named ``<folder>:<suffix>``
+    beside other inputs (``per_case.csv`` as its folder), by its path where two share a name; a file that is no CSV,
+    or a CSV that is not there, is refused naming it."""
+    run = _write(tmp_path / "a" / "run", {"none": DATA["A"]})
+    (run / "per_case.csv").replace(run / "per_case_evaluate_validation.csv")
+    _write(run, {"none": DATA["B"]})
+    report = build_report([run, run / "per_case_evaluate_validation.csv"], baseline="run/none")
+    assert report.methods == ["run/none", "run:evaluate_validation/none"]
+    assert report.dice_improvement["run:evaluate_validation/none"] == pytest.approx(-10.0)
+    with pytest.raises(ReportError, match=r"run: the same per-case CSV as .*run/per_case\.csv"):
+        build_report([run / "per_case.csv", run])
+    other = _write(tmp_path / "b" / "run", {"none": DATA["C"]})
+    assert build_report([run / "per_case.csv", other / "per_case.csv"]).methods == [
+        f"{run.as_posix()}/none", f"{other.as_posix()}/none"]  # fmt: skip
+    (run / "notes.txt").write_text("x")
+    assert _cli([str(run / "notes.txt")]) == 2
+    assert "notes.txt: not a per-case CSV; give a run directory or a per-case CSV" in capsys.readouterr().err
+    assert _cli([str(run / "per_case_evaluate.csv")]) == 2
+    assert "per_case_evaluate.csv: no such file" in capsys.readouterr().err

@@ -187,3 +187,26 @@ def test_a_postprocessing_that_is_not_callable_is_refused_where_it_is_given():
                        progress=False, postprocessing="FillHolesd")  # fmt: skip
     with pytest.raises(TypeError, match=rf"^{re.escape(message)}$"):
         LogitsToSegmentationd("pred", postprocessing="FillHolesd")
+
+
+def test_the_report_compares_a_run_with_its_evaluation_by_evaluate_yaml(tmp_path):
+    """``jcsaug report RUN RUN/per_case_evaluate.csv``: the training run's evaluation beside ``evaluate.yaml``'s
+    (written as the bundle writes it: ``evaluation_file_names``), the second named ``run:evaluate``, its
+    post-processing read from ``metrics_evaluate.json`` beside it."""
+    from jcsaug.evaluation import build_report, evaluation_file_names
+
+    case = _case(hole=True, island=True)
+    run = tmp_path / "run"
+    metrics_name, csv_name = evaluation_file_names("test")
+    for settings, metrics_path, csv_path in (
+        ({}, run / "metrics.json", None),
+        ({"postprocessing": FILLED}, run / metrics_name, run / csv_name),
+    ):
+        evaluate_cases(_Oracle(), [{"image": "a"}], lambda e: case, {"none": SimpleInferer()}, 2, spacing=1.0,
+                       progress=False, output_path=metrics_path, csv_path=csv_path, **settings)  # fmt: skip
+    report = build_report([run, run / csv_name], baseline="run/none")
+    assert report.methods == ["run/none", "run:evaluate/none"]
+    assert report.dice_improvement["run:evaluate/none"] > 0  # the hole filled
+    assert report.to_markdown().endswith("The methods' predictions were post-processed differently: run/none: none; "
+                                         "run:evaluate/none: AsDiscreted, FillHolesd.\n")  # fmt: skip
+    assert build_report([run / csv_name]).methods == ["none"]  # one input: the CSV's own method names

@@ -2,11 +2,15 @@
 tests against it and ΔDSC.
 
 Input: the ``per_case.csv`` of one or more run directories (written by
-:func:`jcsaug.evaluation.evaluate_cases`). Conventions:
+:func:`jcsaug.evaluation.evaluate_cases`), or per-case CSV files themselves: ``evaluate.yaml`` writes
+``per_case_evaluate.csv`` (``per_case_evaluate_validation.csv`` for the validation split) beside the training run's
+``per_case.csv``, so a re-evaluation (another post-processing, another split) is compared by giving
+``RUN/per_case_evaluate.csv``. Conventions:
 
-- **Method names**: with one run directory a method is named by the CSV's ``method`` column (``none``);
-  with several, ``<run dir name>/<method>`` (``tra_heuristic/none``), or ``<run dir path>/<method>`` when
-  two run directories share a name.
+- **Method names**: with one input a method is named by the CSV's ``method`` column (``none``);
+  with several, ``<source>/<method>``. A run directory's source name is its name (``tra_heuristic/none``); a CSV's is
+  its folder's name, with what follows ``per_case_`` in the file's name after a colon (``run:evaluate/none`` for
+  ``run/per_case_evaluate.csv``; ``run/per_case.csv`` is ``run``). Sources that share a name are named by their paths.
 - **Per-case value** of a metric: the mean over the selected foreground classes of the defined values
   (undefined = NaN, see :mod:`jcsaug.evaluation.metrics`); undefined if no class is defined. Classes: ``--classes``,
   else with ``--task`` the task's headline subset (its first ``report_classes``: KiTS tumour), else all.
@@ -28,7 +32,8 @@ Input: the ``per_case.csv`` of one or more run directories (written by
   with an undefined value are dropped. It is 1.0 when all differences are zero, and NaN ("n/a") for the
   baseline itself or without any pair.
 - **ΔDSC** (only with a baseline): mean Dice minus the baseline's, in Dice points (×100) as in the paper's tables.
-- **Post-processing**: read from each run's ``metrics.json`` where there is one (``segmentation_postprocessing``,
+- **Post-processing**: read from the metrics file beside each CSV where there is one (``metrics.json`` beside
+  ``per_case.csv``, ``metrics_evaluate.json`` beside ``per_case_evaluate.csv``: its ``segmentation_postprocessing``,
   ``largest_component_classes``); methods post-processed differently get a note under the table naming each one's.
 """
 
@@ -52,7 +57,8 @@ from jcsaug.evaluation.metrics import HIGHER_IS_BETTER, METRICS, nanmean
 from jcsaug.utils import atomic_write_text
 
 PER_CASE_CSV = "per_case.csv"
-#: the metrics file written beside it (read for how each method's predictions were post-processed)
+#: the metrics file written beside it (read for how each method's predictions were post-processed); beside another
+#: per-case CSV, ``per_case<suffix>.csv``, it is ``metrics<suffix>.json`` (``evaluate.yaml``'s ``_evaluate``)
 METRICS_JSON = "metrics.json"
 #: how the methods' cases are paired (``--pair-by``): by their images' paths, or by the paths' file names
 PAIR_BY = ("path", "name")
@@ -238,10 +244,44 @@ def read_per_case(
     }
 
 
-def _run_names(run_dirs: Sequence[Path]) -> list[str]:
-    names = [Path(d).name for d in run_dirs]
+def per_case_source(source: str | Path) -> tuple[Path, Path | None]:
+    """``(per-case CSV, metrics JSON beside it)`` of a report's input: a run directory (its ``per_case.csv`` and
+    ``metrics.json``) or a per-case CSV file (``per_case_evaluate.csv`` and ``metrics_evaluate.json``; None for a CSV
+    named otherwise). The JSON need not exist; the CSV must."""
+    source = Path(source)
+    if source.is_dir():
+        csv_path = source / PER_CASE_CSV
+        if not csv_path.is_file():
+            raise ReportError(f"{source}: no {PER_CASE_CSV} (is it a run directory that was evaluated?)")
+        return csv_path, source / METRICS_JSON
+    if source.suffix != ".csv":
+        what = "not a per-case CSV" if source.exists() else f"no {PER_CASE_CSV} (no such run directory)"
+        raise ReportError(f"{source}: {what}; give a run directory or a per-case CSV such as per_case_evaluate.csv")
+    if not source.is_file():
+        raise ReportError(f"{source}: no such file")
+    stem = Path(PER_CASE_CSV).stem
+    if not source.stem.startswith(stem):
+        return source, None
+    return source, source.with_name(f"{Path(METRICS_JSON).stem}{source.stem[len(stem) :]}.json")
+
+
+def _source_names(sources: Sequence[Path]) -> list[str]:
+    """Each input's name in its methods' names: a run directory's name, a CSV's folder's name (and the file's own
+    suffix after a colon); their paths where two would share a name."""
+
+    def named(source: Path, folder: str) -> str:
+        if source.suffix != ".csv" or source.name == PER_CASE_CSV:
+            return folder
+        stem = Path(PER_CASE_CSV).stem + "_"
+        return f"{folder}:{source.stem[len(stem) :] if source.stem.startswith(stem) else source.stem}"
+
+    def folder(source: Path, whole_path: bool) -> str:
+        base = source.parent if source.suffix == ".csv" else source
+        return base.as_posix().rstrip("/") if whole_path else base.name
+
+    names = [named(s, folder(s, False)) for s in sources]
     if len(set(names)) < len(names):
-        names = [Path(d).as_posix().rstrip("/") for d in run_dirs]
+        names = [named(s, folder(s, True)) for s in sources]
     return names
 
 
@@ -263,11 +303,12 @@ def build_report(
     absent_classes: str = "score",
     pair_by: str = "path",
 ) -> Report:
-    """Compare the methods of ``run_dirs`` (each holding a ``per_case.csv``): means and ranks, and with a
-    ``baseline`` paired Wilcoxon tests against it and ΔDSC.
+    """Compare the methods of ``run_dirs`` (each holding a ``per_case.csv``, or a per-case CSV itself): means and
+    ranks, and with a ``baseline`` paired Wilcoxon tests against it and ΔDSC.
 
     Args:
-        run_dirs: run directories; see the module docstring for how methods are named.
+        run_dirs: run directories or per-case CSV files (``RUN/per_case_evaluate.csv``); see the module docstring
+            for how methods are named.
         baseline: the method name the others are tested against; ``None``: no tests.
         metrics: metrics of the table, a subset of ``("dice", "sensitivity", "precision", "hd95")``.
         classes: foreground classes to average over (e.g. ``[2]`` for KiTS tumour); None = all.
@@ -286,13 +327,15 @@ def build_report(
         raise ReportError("no run directories given")
     read_metrics = tuple(dict.fromkeys(("dice", *metrics)))  # Dice is always needed for ΔDSC
     values: dict[str, dict[str, dict[str, float]]] = {}
-    names = _run_names([Path(d) for d in run_dirs])
+    names = _source_names([Path(d) for d in run_dirs])
     postprocessing: dict[str, str] = {}
+    read: dict[Path, str | Path] = {}
     for run_dir, run_name in zip(run_dirs, names):
-        csv_path = Path(run_dir) / PER_CASE_CSV
-        if not csv_path.is_file():
-            raise ReportError(f"{run_dir}: no {PER_CASE_CSV} (is it a run directory that was evaluated?)")
-        recorded = methods_postprocessing(Path(run_dir) / METRICS_JSON)
+        csv_path, metrics_path = per_case_source(run_dir)
+        if csv_path.resolve() in read:
+            raise ReportError(f"{run_dir}: the same per-case CSV as {read[csv_path.resolve()]}, given twice")
+        read[csv_path.resolve()] = run_dir
+        recorded = methods_postprocessing(metrics_path)
         for method, per_metric in read_per_case(csv_path, read_metrics, classes, absent_classes).items():
             name = method if len(run_dirs) == 1 else f"{run_name}/{method}"
             values[name] = per_metric
@@ -357,12 +400,13 @@ def build_report(
     )
 
 
-def methods_postprocessing(metrics_path: Path) -> dict[str, str]:
-    """``{method: how its predictions were post-processed}`` from a run's ``metrics.json`` (its
-    ``segmentation_postprocessing``, then ``largest_component_classes``; ``"none"``), ``{}`` where the file is
-    missing or unreadable (a report needs only the CSV); a method whose entry records neither is left out."""
+def methods_postprocessing(metrics_path: Path | None) -> dict[str, str]:
+    """``{method: how its predictions were post-processed}`` from a run's metrics file (``metrics.json``,
+    ``metrics_evaluate.json``: its ``segmentation_postprocessing``, then ``largest_component_classes``; ``"none"``),
+    ``{}`` where none is given or it is missing or unreadable (a report needs only the CSV); a method whose entry
+    records neither is left out."""
     try:
-        recorded = json.loads(metrics_path.read_text())
+        recorded = json.loads(metrics_path.read_text()) if metrics_path is not None else {}
     except (OSError, ValueError):
         return {}
     described = {}
@@ -402,16 +446,24 @@ def _pair_by_name_hint(values: dict[str, dict[str, dict[str, float]]]) -> str:
 
 
 def build_report_parser(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``jcsaug report RUN_DIR [RUN_DIR ...] [--baseline NAME]``."""
+    """Arguments of ``jcsaug report RUN [RUN ...] [--baseline NAME]``."""
     p.description = (
-        "Compare evaluated runs (their per_case.csv): mean metrics and average rank; with --baseline also paired "
-        "Wilcoxon tests against it and the Dice improvement."
+        "Compare evaluated runs (their per_case.csv, or evaluate.yaml's per_case_evaluate.csv): mean metrics and "
+        "average rank; with --baseline also paired Wilcoxon tests against it and the Dice improvement."
     )
-    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories with a per_case.csv")
+    p.add_argument(
+        "run_dirs",
+        nargs="+",
+        type=Path,
+        metavar="RUN",
+        help="run directories with a per_case.csv, or per-case CSV files (RUN/per_case_evaluate.csv: the run "
+        "evaluated again by evaluate.yaml; its methods are named RUN:evaluate/<method>)",
+    )
     p.add_argument(
         "--baseline",
-        help="baseline method for p-values and ΔDSC: the CSV's method name with one RUN_DIR, else "
-        "'<run dir name>/<method>' (default: no tests)",
+        help="baseline method for p-values and ΔDSC: the CSV's method name with one RUN, else "
+        "'<run dir name>/<method>' ('<run dir name>:evaluate/<method>' for a per_case_evaluate.csv; default: no "
+        "tests)",
     )
     p.add_argument("-o", "--output", type=Path, help="write <OUTPUT>.md and <OUTPUT>.csv (default: Markdown to stdout)")
     p.add_argument("--metrics", nargs="+", choices=METRICS, default=list(METRICS), help="metrics of the table")
