@@ -311,6 +311,8 @@ def test_per_case_csv_files_are_inputs_named_by_their_folder_and_suffix(tmp_path
     other = _write(tmp_path / "b" / "run", {"none": DATA["C"]})
     assert build_report([run / "per_case.csv", other / "per_case.csv"]).methods == [
         f"{run.as_posix()}/none", f"{other.as_posix()}/none"]  # fmt: skip
+    (run / "per_case_evaluate_validation.csv").replace(run / "mine.csv")  # a CSV named otherwise: its stem
+    assert build_report([run, run / "mine.csv"]).methods == ["run/none", "run:mine/none"]
     (run / "notes.txt").write_text("x")
     assert _cli([str(run / "notes.txt")]) == 2
     assert "notes.txt: not a per-case CSV; give a run directory or a per-case CSV" in capsys.readouterr().err

@@ -244,6 +244,12 @@ def read_per_case(
     }
 
 
+def _csv_suffix(csv_path: Path) -> str | None:
+    """What follows ``per_case`` in a per-case CSV's name (``""``, ``"_evaluate"``); None for a CSV named otherwise."""
+    stem = Path(PER_CASE_CSV).stem
+    return csv_path.stem[len(stem) :] if csv_path.stem.startswith(stem) else None
+
+
 def per_case_source(source: str | Path) -> tuple[Path, Path | None]:
     """``(per-case CSV, metrics JSON beside it)`` of a report's input: a run directory (its ``per_case.csv`` and
     ``metrics.json``) or a per-case CSV file (``per_case_evaluate.csv`` and ``metrics_evaluate.json``; None for a CSV
@@ -259,29 +265,24 @@ def per_case_source(source: str | Path) -> tuple[Path, Path | None]:
         raise ReportError(f"{source}: {what}; give a run directory or a per-case CSV such as per_case_evaluate.csv")
     if not source.is_file():
         raise ReportError(f"{source}: no such file")
-    stem = Path(PER_CASE_CSV).stem
-    if not source.stem.startswith(stem):
-        return source, None
-    return source, source.with_name(f"{Path(METRICS_JSON).stem}{source.stem[len(stem) :]}.json")
+    suffix = _csv_suffix(source)
+    return source, None if suffix is None else source.with_name(f"{Path(METRICS_JSON).stem}{suffix}.json")
 
 
 def _source_names(sources: Sequence[Path]) -> list[str]:
     """Each input's name in its methods' names: a run directory's name, a CSV's folder's name (and the file's own
-    suffix after a colon); their paths where two would share a name."""
+    suffix after a colon, ``run:evaluate``); their paths where two would share a name."""
 
-    def named(source: Path, folder: str) -> str:
-        if source.suffix != ".csv" or source.name == PER_CASE_CSV:
-            return folder
-        stem = Path(PER_CASE_CSV).stem + "_"
-        return f"{folder}:{source.stem[len(stem) :] if source.stem.startswith(stem) else source.stem}"
+    def named(source: Path, whole_path: bool) -> str:
+        is_csv = source.suffix == ".csv"
+        folder = source.parent if is_csv else source
+        name = folder.as_posix().rstrip("/") if whole_path else folder.name
+        suffix = _csv_suffix(source) if is_csv else ""
+        return name if suffix == "" else f"{name}:{source.stem if suffix is None else suffix.lstrip('_')}"
 
-    def folder(source: Path, whole_path: bool) -> str:
-        base = source.parent if source.suffix == ".csv" else source
-        return base.as_posix().rstrip("/") if whole_path else base.name
-
-    names = [named(s, folder(s, False)) for s in sources]
+    names = [named(s, False) for s in sources]
     if len(set(names)) < len(names):
-        names = [named(s, folder(s, True)) for s in sources]
+        names = [named(s, True) for s in sources]
     return names
 
 
@@ -329,12 +330,12 @@ def build_report(
     values: dict[str, dict[str, dict[str, float]]] = {}
     names = _source_names([Path(d) for d in run_dirs])
     postprocessing: dict[str, str] = {}
-    read: dict[Path, str | Path] = {}
+    given_as: dict[Path, str | Path] = {}  # each CSV read, by its resolved path -> the input that named it
     for run_dir, run_name in zip(run_dirs, names):
         csv_path, metrics_path = per_case_source(run_dir)
-        if csv_path.resolve() in read:
-            raise ReportError(f"{run_dir}: the same per-case CSV as {read[csv_path.resolve()]}, given twice")
-        read[csv_path.resolve()] = run_dir
+        if csv_path.resolve() in given_as:
+            raise ReportError(f"{run_dir}: the same per-case CSV as {given_as[csv_path.resolve()]}, given twice")
+        given_as[csv_path.resolve()] = run_dir
         recorded = methods_postprocessing(metrics_path)
         for method, per_metric in read_per_case(csv_path, read_metrics, classes, absent_classes).items():
             name = method if len(run_dirs) == 1 else f"{run_name}/{method}"
