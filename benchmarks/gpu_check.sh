@@ -11,6 +11,8 @@
 # class-specific+joint --seeds 0 1 2 3 4 5" LQ_JOBS=12); TIMINGS=0 skips part 1; PYTEST_WORKERS (default 6).
 # PYTEST_FIRST=S runs the test suite alone first (at most S seconds), then the learning-quality benchmark alone with
 # the time left: each gets the machine's cores, and a suite cut short still leaves the benchmark its time.
+# PASSED_LOG=FILE (a pytest.log of an earlier check, carried in an ignored folder) runs only the tests it does not
+# show PASSED (tests/tools/skip_passed): the rest of a suite a lease cut short.
 set -u
 OUT=${OUT:-gpu_check_out}; mkdir -p "$OUT"
 T0=$(date +%s)
@@ -40,6 +42,9 @@ timeout 110 python3 benchmarks/bench_policy_learning.py --device $DEV > "$OUT/be
 echo "policy learning rc=$? t=$(elapsed)" >> "$OUT/timeline.log"
 fi
 
+if [ -n "${PASSED_LOG:-}" ]; then
+  export JCSAUG_SKIP_PASSED=$PASSED_LOG PYTHONPATH=$PYTHONPATH:$PWD/tests/tools/skip_passed; PYTEST+=(-p skip_passed)
+fi
 TIMEOUT=(); python3 -c "import pytest_timeout" 2> /dev/null && TIMEOUT=(--timeout 600)  # one hung test fails alone
 # (600: a test of three bundle trainings took 93 s alone on an H100 machine, likely over 300 s beside 12 runs)
 run_tests() {  # -v: every test's name as it ends, so a cut run still names failures
