@@ -441,7 +441,8 @@ def _pair_by_name_hint(values: dict[str, dict[str, dict[str, float]]]) -> str:
     except ReportError:
         return ""
     if all(n == names[0] for n in names):
-        return (". Their file names pair them: if the runs were evaluated on copies of one dataset, "
+        return (". Their file names pair them: if the runs were evaluated on copies of one dataset, or given its "
+                "folder once as a relative and once as an absolute path (--dataset_dir), "
                 "give --pair-by name")  # fmt: skip
     return ""
 
