@@ -269,20 +269,19 @@ def per_case_source(source: str | Path) -> tuple[Path, Path | None]:
     return source, None if suffix is None else source.with_name(f"{Path(METRICS_JSON).stem}{suffix}.json")
 
 
-def _source_names(sources: Sequence[Path]) -> list[str]:
-    """Each input's name in its methods' names: a run directory's name, a CSV's folder's name (and the file's own
-    suffix after a colon, ``run:evaluate``); their paths where two would share a name."""
+def _source_names(csv_paths: Sequence[Path]) -> list[str]:
+    """Each input's name in its methods' names, from the per-case CSV it gave (:func:`per_case_source`): the CSV's
+    folder's name (a run directory's ``per_case.csv``: the run's), with the file's own suffix after a colon for
+    another CSV (``run:evaluate``); their folders' paths where two would share a name."""
 
-    def named(source: Path, whole_path: bool) -> str:
-        is_csv = source.suffix == ".csv"
-        folder = source.parent if is_csv else source
-        name = folder.as_posix().rstrip("/") if whole_path else folder.name
-        suffix = _csv_suffix(source) if is_csv else ""
-        return name if suffix == "" else f"{name}:{source.stem if suffix is None else suffix.lstrip('_')}"
+    def named(csv_path: Path, whole_path: bool) -> str:
+        name = csv_path.parent.as_posix() if whole_path else csv_path.parent.name
+        suffix = _csv_suffix(csv_path)
+        return name if suffix == "" else f"{name}:{csv_path.stem if suffix is None else suffix.lstrip('_')}"
 
-    names = [named(s, False) for s in sources]
+    names = [named(p, False) for p in csv_paths]
     if len(set(names)) < len(names):
-        names = [named(s, True) for s in sources]
+        names = [named(p, True) for p in csv_paths]
     return names
 
 
@@ -328,14 +327,16 @@ def build_report(
         raise ReportError("no run directories given")
     read_metrics = tuple(dict.fromkeys(("dice", *metrics)))  # Dice is always needed for ΔDSC
     values: dict[str, dict[str, dict[str, float]]] = {}
-    names = _source_names([Path(d) for d in run_dirs])
-    postprocessing: dict[str, str] = {}
+    sources = [per_case_source(d) for d in run_dirs]  # (per-case CSV, metrics JSON) of each input
     given_as: dict[Path, str | Path] = {}  # each CSV read, by its resolved path -> the input that named it
-    for run_dir, run_name in zip(run_dirs, names):
-        csv_path, metrics_path = per_case_source(run_dir)
-        if csv_path.resolve() in given_as:
-            raise ReportError(f"{run_dir}: the same per-case CSV as {given_as[csv_path.resolve()]}, given twice")
-        given_as[csv_path.resolve()] = run_dir
+    for run_dir, (csv_path, _) in zip(run_dirs, sources):
+        key = csv_path.resolve()
+        if key in given_as:
+            raise ReportError(f"{run_dir}: the same per-case CSV as {given_as[key]}, given twice")
+        given_as[key] = run_dir
+    names = _source_names([csv_path for csv_path, _ in sources])
+    postprocessing: dict[str, str] = {}
+    for (csv_path, metrics_path), run_name in zip(sources, names):
         recorded = methods_postprocessing(metrics_path)
         for method, per_metric in read_per_case(csv_path, read_metrics, classes, absent_classes).items():
             name = method if len(run_dirs) == 1 else f"{run_name}/{method}"
