@@ -237,7 +237,9 @@ def test_monai_fl_trains_the_bundle_round_after_round(tmp_path, planned_epochs, 
     weights: each round trains and returns the difference of the weights. MonaiAlgo sets ``max_epochs`` to one
     round's, so without ``planned_epochs`` the learning-rate schedule ends with the first round and the second
     trains at learning rate 0, with a warning that names the setting; with ``planned_epochs: 2`` (rounds x local
-    epochs) the second round trains at the schedule's second epoch."""
+    epochs) the second round trains at the schedule's second epoch. (With ``planned_epochs``, the client also
+    evaluates with ``evaluate.yaml`` after each round: its learned TTA is the one the round's ``policies.json``
+    holds.)"""
     import copy
     import logging
 
@@ -245,11 +247,19 @@ def test_monai_fl_trains_the_bundle_round_after_round(tmp_path, planned_epochs, 
     from monai.fl.utils.constants import WeightType
     from monai.fl.utils.exchange_object import ExchangeObject
 
+    from jcsaug.inference import TEAInferer, load_tea_policy
+
     small_dataset(tmp_path)
     settings = dict(dataset_dir=str(tmp_path / "data"), output_dir=str(tmp_path / "run"), patch_size=[24, 24, 24],
                     plots=False, epoch_length=1, num_workers=0, planned_epochs=planned_epochs)  # fmt: skip
-    algo = MonaiAlgo(bundle_root=str(BUNDLES / "synthetic_lesion"), config_train_filename="configs/train.yaml",
-                     train_kwargs=settings, config_evaluate_filename=None)  # fmt: skip
+    evaluate = planned_epochs is not None
+    algo = MonaiAlgo(
+        bundle_root=str(BUNDLES / "synthetic_lesion"),
+        config_train_filename="configs/train.yaml",
+        train_kwargs=settings,
+        eval_kwargs=settings,
+        config_evaluate_filename=["configs/train.yaml", "configs/evaluate.yaml"] if evaluate else None,
+    )
     with pytest.warns(UserWarning, match="provisioned by the FL system"):  # MONAI's note on running a bundle's code
         algo.initialize(extra={"client_name": "site1", "app_root": str(tmp_path)})
     server = ExchangeObject(weights=copy.deepcopy(algo.trainer.network.state_dict()), weight_type=WeightType.WEIGHTS)
@@ -261,6 +271,12 @@ def test_monai_fl_trains_the_bundle_round_after_round(tmp_path, planned_epochs, 
             update = algo.get_weights()
             assert update.weight_type == WeightType.WEIGHT_DIFF and update.statistics["num_executed_iterations"] == 1
             trained.append(any(bool(diff.abs().sum() > 0) for diff in update.weights.values()))
+            if evaluate:
+                assert "learned_mean_dice" in algo.evaluate(server).metrics
+                learned = algo.eval_workflow.parser.get_parsed_content("validate#inferer")["learned"]
+                written = TEAInferer.from_policy(load_tea_policy(tmp_path / "run" / "policies.json"), z=learned.z)
+                assert [op.id for op in learned.ops] == [op.id for op in written.ops]
+                assert learned.weights == pytest.approx(written.weights)
     algo.finalize()
     assert algo.trainer.state.epoch == 2 and (tmp_path / "run" / "policies.json").is_file()
     warned = [r.getMessage() for r in caplog.records if "learning-rate schedule ended" in r.getMessage()]
@@ -366,7 +382,9 @@ def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(t
     """The synthetic bundle's evaluation as MONAI drives an evaluation bundle: ``check_properties`` finds nothing
     missing, ``run`` loads the run's checkpoint and writes ``metrics_evaluate.json``, the evaluator's state holds
     each method's mean Dice, and a handler added to ``validate#handlers`` (MONAI's ``StatsHandler``) runs with it.
-    The figures are those of ``evaluate_cases`` on the checkpoint's network."""
+    The figures are those of ``evaluate_cases`` on the checkpoint's network. (The run is a post-hoc one that has
+    written no ``policies.json``: its learned methods are not evaluated; a joint run's would test the ``tea_preset``
+    until it writes one, ``test_monai_fl_evaluates_the_servers_weights_with_evaluate_yaml``.)"""
     from monai.handlers import StatsHandler
 
     from jcsaug.evaluation import CaseEvaluator, evaluate_cases
@@ -379,13 +397,14 @@ def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(t
     handlers = ["@validate#metrics", {"_target_": "StatsHandler", "iteration_log": False, "name": "evaluation"}]
     workflow = ConfigWorkflow(
         config_file=files, meta_file=meta, logging_file=False, workflow_type="eval",
-        dataset_dir=str(tmp_path / "data"), output_dir=str(run), num_workers=0, **{"validate#handlers": handlers},
+        dataset_dir=str(tmp_path / "data"), output_dir=str(run), num_workers=0, tea_mode="learned-posthoc",
+        **{"validate#handlers": handlers},
     )  # fmt: skip
     workflow.initialize()
     assert workflow.check_properties() == []
     as_training = ConfigWorkflow(
         config_file=files, meta_file=meta, logging_file=False, workflow_type="train",
-        dataset_dir=str(tmp_path / "data"), output_dir=str(run), num_workers=0,
+        dataset_dir=str(tmp_path / "data"), output_dir=str(run), num_workers=0, tea_mode="learned-posthoc",
     )  # fmt: skip
     as_training.initialize()
     assert as_training.check_properties() == [] and isinstance(as_training.evaluator, CaseEvaluator)
@@ -396,7 +415,7 @@ def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(t
     written = json.loads((run / "metrics_evaluate.json").read_text())
     reported = {f"{m}_mean_dice": written[m]["mean_dice"] for m in ("none", "heuristic")}
     assert workflow.evaluator.state.metrics == reported
-    # the key metric: the run's own method (tea_mode joint: learned), none where it was not evaluated (no TEA policy)
+    # the key metric: the run's own method (learned-posthoc: learned), none where it was not evaluated (no TEA policy)
     assert workflow.evaluator.state.key_metric_name == "none_mean_dice"
     assert workflow.evaluator.state.best_metric == reported["none_mean_dice"]
     parser = workflow.parser
@@ -407,7 +426,7 @@ def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(t
     # segmentation_postprocessing (validate#postprocessing): here a transform that makes each prediction the label
     labelled = ConfigWorkflow(
         config_file=files, meta_file=meta, logging_file=False, workflow_type="eval",
-        dataset_dir=str(tmp_path / "data"), output_dir=str(run), num_workers=0,
+        dataset_dir=str(tmp_path / "data"), output_dir=str(run), num_workers=0, tea_mode="learned-posthoc",
         segmentation_postprocessing="$lambda d: {**d, 'pred': d['label']}",
     )  # fmt: skip
     labelled.initialize()
@@ -420,13 +439,18 @@ def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(t
 def test_monai_fl_evaluates_the_servers_weights_with_evaluate_yaml(tmp_path):
     """MONAI FL's client with the bundle's evaluation config (``train.yaml`` + ``evaluate.yaml``, as MonaiAlgo's
     default ``config_evaluate_filename``): ``evaluate`` scores the server's weights on the test split and returns
-    each method's mean Dice (those of ``evaluate_cases`` on a network with the server's weights), and weights that
-    predict background only score 0."""
+    each method's mean Dice (those of ``evaluate_cases`` on a network with the server's weights), weights that
+    predict background only score 0, and the learned TTA tests the TEA policy the client's run has learned so far:
+    the initial one (``tea_preset``) before the run writes ``policies.json``, then the file's, read again when a
+    round rewrites it (the evaluator is built once, at ``initialize``)."""
     from monai.fl.client import MonaiAlgo
     from monai.fl.utils.constants import WeightType
     from monai.fl.utils.exchange_object import ExchangeObject
 
     from jcsaug.evaluation import evaluate_cases
+    from jcsaug.inference import list_tta_inferers, make_tta_inferers
+    from jcsaug.policy import make_tea_policy
+    from jcsaug.policy.io import save_policies
 
     small_dataset(tmp_path)
     settings = dict(dataset_dir=str(tmp_path / "data"), output_dir=str(tmp_path / "run"), patch_size=[24, 24, 24],
@@ -437,23 +461,41 @@ def test_monai_fl_evaluates_the_servers_weights_with_evaluate_yaml(tmp_path):
     with pytest.warns(UserWarning, match="provisioned by the FL system"):
         algo.initialize(extra={"client_name": "site1", "app_root": str(tmp_path)})
     parser = algo.eval_workflow.parser
-    network = parser.get_parsed_content("network_def")
+    start = {k: v.clone() for k, v in parser.get_parsed_content("network_def").state_dict().items()}
+    evaluated = parser.get_parsed_content("validate#inferer")
+    learned_tea = make_tea_policy("uniform")  # what a round writes: a quarter turn and a zoom on top
+    with torch.no_grad():
+        learned_tea.logits[0, 6], learned_tea.logits[0, 3] = 4.0, 3.0
+    methods = ["none", "heuristic", "learned", "learned+mirror"]
     results = []
-    for background in (False, True):  # the network's weights; then with a last bias that predicts background only
+    for background, tea_policy in ((False, make_tea_policy("nnunet")), (True, make_tea_policy("nnunet")),
+                                   (False, learned_tea)):  # fmt: skip
+        if tea_policy is learned_tea:  # a training round of the client writes its policies
+            save_policies(tmp_path / "run" / "policies.json", tea=learned_tea)
         torch.manual_seed(0)
         weights = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v
-                   for k, v in network.state_dict().items()}  # fmt: skip
+                   for k, v in start.items()}  # fmt: skip
         if background:
             last_bias = [k for k, v in weights.items() if k.endswith("bias") and v.shape == (2,)][-1]
             weights[last_bias] = torch.tensor([50.0, -50.0])
         result = algo.evaluate(ExchangeObject(weights=weights, weight_type=WeightType.WEIGHTS)).metrics
         check = bundle_parser("synthetic_lesion").get_parsed_content("network_def")  # a network of its own
         check.load_state_dict(weights)
+        inferers = make_tta_inferers(
+            list_tta_inferers(),
+            parser.get_parsed_content("sw_inferer"),
+            tea_policy,
+            z=parser.get_parsed_content("tea_z"),
+        )  # built now from the policy itself
         expected = evaluate_cases(check, parser.get_parsed_content("test_files"), parser.get_parsed_content("load"),
-                                  parser.get_parsed_content("validate#inferer"), 2, progress=False,
+                                  inferers, 2, progress=False,
                                   device=parser.get_parsed_content("device"))  # on the client's device  # fmt: skip
-        assert set(result) == {"none_mean_dice", "heuristic_mean_dice"}
+        assert set(result) == {f"{m}_mean_dice" for m in methods}
         assert result == pytest.approx({f"{m}_mean_dice": r["mean_dice"] for m, r in expected.items()})
+        assert [op.id for op in evaluated["learned"].ops] == [op.id for op in inferers["learned"].ops]
         results.append(dict(result))  # (the evaluator's state.metrics: the same dict every round)
-    assert results[1] == {"none_mean_dice": 0.0, "heuristic_mean_dice": 0.0} != results[0]
+    assert results[1] == {f"{m}_mean_dice": 0.0 for m in methods} != results[0]
+    assert [op.id for op in evaluated["learned"].ops][:2] == [6, 3]  # the file's policy, not the initial one
+    assert results[2]["learned_mean_dice"] != results[0]["learned_mean_dice"]
+    assert results[2]["none_mean_dice"] == results[0]["none_mean_dice"]
     algo.finalize()

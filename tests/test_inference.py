@@ -235,3 +235,56 @@ def test_evaluate_cases_predicts_a_blends_members_once(tmp_path):
     assert evaluate(["learned+mirror"])[1] == 8 + 3
     for name in methods:
         assert every[name]["per_case"][0]["dice"] == evaluate([name])[0][name]["per_case"][0]["dice"], name
+
+
+def test_a_learned_tta_from_a_file_follows_the_file(tmp_path):
+    """``learned`` from a ``policies.json`` tests the TEA policy the file holds when it predicts (read again when the
+    file is replaced, as a run that is still learning replaces it); until the file exists, a ``TEAPolicyFile``'s
+    initial policy, with a warning, and without one the method is unavailable (left out where unavailable methods
+    are skipped). A file rewritten without a TEA policy is an error naming it; a deleted one keeps the last."""
+    from jcsaug.inference import PolicyFileTEAInferer, TEAPolicyFile, make_tta_inferers
+
+    def policy_with(**top: float):
+        policy = make_tea_policy("uniform")
+        with torch.no_grad():
+            for op, logit in top.items():
+                policy.logits[0, int(op[1:])] = logit
+        return policy
+
+    path = tmp_path / "run" / "policies.json"
+    methods = ["none", "heuristic", "learned", "learned+mirror"]
+    assert list(make_tta_inferers(methods, None, path, skip_unavailable=True)) == ["none", "heuristic"]
+    with pytest.raises(ValueError, match="policies.json does not exist"):
+        make_tta_inferer("learned", None, path)
+    initial, first, second = policy_with(o38=5.0, o54=4.0), policy_with(o6=5.0, o3=4.0), policy_with(o12=5.0, o9=4.0)
+    with pytest.warns(UserWarning, match="does not exist yet: the learned TTA uses the initial TEA policy"):
+        inferers = make_tta_inferers(methods, None, TEAPolicyFile(path, initial=initial), z=2)
+    learned, blended = inferers["learned"], inferers["learned+mirror"]
+    assert isinstance(learned, PolicyFileTEAInferer) and blended.members[0] is learned
+    x = torch.rand(1, 1, 8, 9, 10)
+    for policy in (initial, first, second):
+        if policy is not initial:
+            path.parent.mkdir(exist_ok=True)
+            save_policies(path, tea=policy)
+        torch.testing.assert_close(learned(x, _net), TEAInferer.from_policy(policy, z=2)(x, _net))
+        assert learned.refresh() is False  # read once per change
+    assert [op.id for op in learned.ops] == [12, 9]
+    assert [op.id for op in make_tta_inferers(methods, None, path, z=2)["learned"].ops] == [12, 9]
+    save_policies(path, tra=make_tra_policy())
+    with pytest.raises(ValueError, match="policies.json holds no TEA policy"):
+        learned(x, _net)
+    save_policies(path, tea=first)
+    learned(x, _net)
+    path.unlink()
+    assert learned.refresh() is False and [op.id for op in learned.ops] == [6, 3]
+    members = (TEAInferer.from_policy(first, z=2), MirrorTTAInferer())
+    torch.testing.assert_close(blended(x, _net).exp(), sum(torch.softmax(m(x, _net), 1) for m in members) / 2)
+
+
+def test_an_evaluation_tests_the_initial_tea_policy_only_of_a_mode_that_learns_it_during_training():
+    """``initial_tea_policy``: the ``tea_preset`` for ``joint`` (learned during training, so an evaluation built before
+    the first epoch tests it until ``policies.json`` is written), ``None`` for the others."""
+    from jcsaug.engine import initial_tea_policy
+
+    torch.testing.assert_close(initial_tea_policy("joint", "nnunet").logits, make_tea_policy("nnunet").logits)
+    assert [initial_tea_policy(m) for m in ("none", "heuristic", "learned-posthoc", "fixed")] == [None] * 4

@@ -46,6 +46,7 @@ __all__ = [
     "TRAMode",
     "get_tea_mode",
     "get_tra_mode",
+    "initial_tea_policy",
     "list_tea_modes",
     "list_tra_modes",
     "register_tea_mode",
@@ -131,6 +132,13 @@ def key_test_method(tea_mode: str, methods: Iterable[str]) -> str:
     evaluated (e.g. a run whose ``policies.json`` holds no TEA policy)."""
     method = get_tea_mode(tea_mode).test_method or "none"
     return method if method in list(methods) else "none"
+
+
+def initial_tea_policy(tea_mode: str, tea_preset: str = "nnunet") -> CategoricalPolicy | None:
+    """The TEA policy a run of ``tea_mode`` starts from when it learns its TEA during training (``joint``: the
+    ``tea_preset``), else ``None``: what an evaluation built before the run writes its ``policies.json`` (MONAI FL's
+    client) tests as ``learned`` until then (:class:`jcsaug.inference.TEAPolicyFile`)."""
+    return make_tea_policy(tea_preset) if get_tea_mode(tea_mode).joint else None
 
 
 class PolicyUpdaters(list):

@@ -14,7 +14,9 @@ through the base inferer together as one batch.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -52,6 +54,19 @@ def tta_selection(
     top = torch.topk(logits[1:], z - 1).indices + 1  # op 0 is the identity
     others = (1.0 - w) * torch.softmax(logits[top].double(), 0)
     return [0, *(int(i) for i in top)], torch.cat([torch.tensor([w], dtype=torch.float64), others])
+
+
+def top_tea_ops(
+    policy: CategoricalPolicy, z: int = 8, identity_weight: float | None = None
+) -> tuple[list[TEAOp], torch.Tensor]:
+    """The ops and weights of a TEA policy's learned TTA (:func:`tta_selection` of its logits); a policy that is
+    not a TEA policy is refused."""
+    if policy.num_series != 1 or policy.series_sizes[0] != len(TEA_OPS):
+        raise ValueError(
+            f"not a TEA policy: expected one series of {len(TEA_OPS)} ops, got sizes {list(policy.series_sizes)}"
+        )
+    indices, weights = tta_selection(policy.logits.detach()[0], z, identity_weight)
+    return [TEA_OPS[i] for i in indices], weights
 
 
 def _normalised_weights(weights: Sequence[float] | torch.Tensor | None, n: int) -> list[float]:
@@ -118,12 +133,8 @@ class TEAInferer(Inferer):
         probability-weighted mixture of (identity, op) pairs, the ensemble a policy learned with a TEA op score of
         ``with-identity`` (:class:`jcsaug.engine.TEAPolicyUpdater`) scored its ops for: such a policy can put
         its weight on ops that help only beside the identity (a zoom that fails alone)."""
-        if policy.num_series != 1 or policy.series_sizes[0] != len(TEA_OPS):
-            raise ValueError(
-                f"not a TEA policy: expected one series of {len(TEA_OPS)} ops, got sizes {list(policy.series_sizes)}"
-            )
-        indices, weights = tta_selection(policy.logits.detach()[0], z, identity_weight)
-        return cls([TEA_OPS[i] for i in indices], weights, base_inferer, average)
+        ops, weights = top_tea_ops(policy, z, identity_weight)
+        return cls(ops, weights, base_inferer, average)
 
     def _predict(self, x: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
         out = self.base_inferer(x, network, *args, **kwargs)
@@ -203,7 +214,20 @@ def load_tea_policy(path: str | Path, missing_ok: bool = False) -> CategoricalPo
     raise ValueError(f"checkpoint {path} holds no TEA policy (keys: {sorted(state)})")
 
 
-TEAPolicyLike = CategoricalPolicy | str | Path | None
+@dataclass(frozen=True)
+class TEAPolicyFile:
+    """A ``policies.json`` (or checkpoint) whose TEA policy a learned TTA follows as the file changes
+    (:class:`PolicyFileTEAInferer`), and the TEA policy to use until the file exists: ``initial`` (e.g. a run's TEA
+    policy before learning, :func:`jcsaug.engine.initial_tea_policy`); ``None``: no learned TTA until then.
+
+    What ``evaluate.yaml`` gives its ``learned`` methods, so an evaluator built before a run writes its
+    ``policies.json`` (MONAI FL's client, evaluated between training rounds) tests the TEA policy learned so far."""
+
+    path: str | Path
+    initial: CategoricalPolicy | None = None
+
+
+TEAPolicyLike = CategoricalPolicy | str | Path | TEAPolicyFile | None
 
 
 class BlendedTTAInferer(Inferer):
@@ -258,16 +282,105 @@ class _NeedsPolicy(ValueError):
     """A learned method without a TEA policy to learn from."""
 
 
+class PolicyFileTEAInferer(TEAInferer):
+    """The learned TTA (:meth:`TEAInferer.from_policy`) of the TEA policy a file holds when it predicts: the file is
+    read again whenever it has changed (its size, modification time or inode: ``policies.json`` is replaced
+    atomically) since it was last read, so an inferer built once follows a run that is still learning.
+
+    Args:
+        source: the ``policies.json`` or checkpoint, or a :class:`TEAPolicyFile` (its ``initial`` policy is used
+            until the file exists).
+        z, base_inferer, identity_weight, average: as :meth:`TEAInferer.from_policy`.
+
+    A file that does not exist (and no ``initial`` policy) or that holds no TEA policy when the inferer is built
+    is refused (``ValueError``, naming it); one that holds none when it is read again is an error naming it; one
+    deleted after it was read keeps the policy last read.
+
+    Example: the ops follow the file::
+
+        >>> import tempfile
+        >>> from jcsaug.policy import make_tea_policy
+        >>> from jcsaug.policy.io import save_policies
+        >>> path = Path(tempfile.mkdtemp()) / "policies.json"
+        >>> policy = make_tea_policy("uniform")
+        >>> with torch.no_grad():
+        ...     policy.logits[0, 38] = 5.0  # mirror_sagittal
+        >>> inferer = PolicyFileTEAInferer(TEAPolicyFile(path, initial=policy), z=1)
+        >>> [op.name for op in inferer.ops]  # the file is not there yet: the initial policy
+        ['mirror_sagittal']
+        >>> with torch.no_grad():
+        ...     policy.logits[0, 3] = 9.0
+        >>> _ = save_policies(path, tea=policy)  # the run writes what it has learned
+        >>> inferer.refresh(), [op.name for op in inferer.ops]
+        (True, ['scale_down_0.25'])
+    """
+
+    def __init__(
+        self,
+        source: TEAPolicyFile | str | Path,
+        z: int = 8,
+        base_inferer: Inferer | None = None,
+        identity_weight: float | None = None,
+        average: Average = "logits",
+    ) -> None:
+        source = source if isinstance(source, TEAPolicyFile) else TEAPolicyFile(source)
+        self.path, self.z, self.identity_weight = Path(source.path), int(z), identity_weight
+        self._signature: tuple | None = None
+        policy = self._read(missing_ok=True)
+        if policy is None:
+            if self.path.exists():
+                raise _NeedsPolicy(f"test-time augmentation 'learned' needs a TEA policy: {self.path} holds none")
+            if source.initial is None:
+                raise _NeedsPolicy(f"test-time augmentation 'learned' needs a TEA policy: {self.path} does not exist")
+            warnings.warn(
+                f"{self.path} does not exist yet: the learned TTA uses the initial TEA policy until it is written, "
+                "then the file's",
+                stacklevel=2,
+            )
+            policy = source.initial
+        ops, weights = top_tea_ops(policy, self.z, identity_weight)
+        super().__init__(ops, weights, base_inferer, average)
+
+    def _file_signature(self) -> tuple | None:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return stat.st_size, stat.st_mtime_ns, stat.st_ino
+
+    def _read(self, missing_ok: bool = False) -> CategoricalPolicy | None:
+        """The file's TEA policy (None if the file is not there), its signature remembered."""
+        signature = self._file_signature()
+        if signature is None:
+            return None
+        policy = load_tea_policy(self.path, missing_ok=missing_ok)
+        self._signature = signature
+        return policy
+
+    def refresh(self) -> bool:
+        """Read the file again if it changed since it was read (or was written since the inferer was built); True
+        if the ops or their weights changed."""
+        signature = self._file_signature()
+        if signature is None or signature == self._signature:
+            return False
+        ops, weights = top_tea_ops(self._read(), self.z, self.identity_weight)
+        weights = _normalised_weights(weights, len(ops))
+        changed = [op.id for op in ops] != [op.id for op in self.ops] or weights != self.weights
+        self.ops, self.weights = ops, weights
+        return changed
+
+    def __call__(self, inputs: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
+        self.refresh()
+        return super().__call__(inputs, network, *args, **kwargs)
+
+
 def _learned(
     base: Inferer | None, tea_policy: TEAPolicyLike, z: int, identity_weight: float | None = None
 ) -> TEAInferer:
     if tea_policy is None:
         raise _NeedsPolicy("test-time augmentation 'learned' needs a TEA policy, and none was given")
-    if isinstance(tea_policy, (str, Path)):
-        policy = load_tea_policy(tea_policy, missing_ok=True)
-        if policy is None:
-            raise _NeedsPolicy(f"test-time augmentation 'learned' needs a TEA policy: {tea_policy} holds none")
-        tea_policy = policy
+    if isinstance(tea_policy, (str, Path, TEAPolicyFile)):
+        return PolicyFileTEAInferer(tea_policy, z, base, identity_weight)
     return TEAInferer.from_policy(tea_policy, z, base, identity_weight=identity_weight)
 
 
@@ -309,7 +422,8 @@ def make_tta_inferer(
     identity_weight: float | None = None,
 ) -> Inferer:
     """The one factory of test-time inferers: ``none`` (plain), ``heuristic`` (nnU-Net's 8 mirrorings),
-    ``learned`` (the top ``z`` ops of ``tea_policy``, a policy or a ``policies.json``/checkpoint path; with
+    ``learned`` (the top ``z`` ops of ``tea_policy``: a policy, or a ``policies.json``/checkpoint path or
+    :class:`TEAPolicyFile`, followed as the file changes, :class:`PolicyFileTEAInferer`; with
     ``identity_weight``, the identity at that weight and the top ``z - 1`` other ops, see
     :meth:`TEAInferer.from_policy`; passed to a registered factory only when given) or ``learned+mirror``
     (:class:`BlendedTTAInferer` of ``learned`` and ``heuristic``, 1:1).
