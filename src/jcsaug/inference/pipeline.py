@@ -179,8 +179,11 @@ def prediction_postprocessing(
     MONAI dictionary transforms of the logits (``"pred"``) before the class map is made, as the evaluation's."""
     steps: list[Callable] = [
         LogitsToSegmentationd(
-            PRED_KEY, keep_largest_component, roi_key=ROI_KEY if roi_threshold is not None else None,
-            meta_key=image_key, postprocessing=postprocessing,
+            PRED_KEY,
+            keep_largest_component,
+            roi_key=ROI_KEY if roi_threshold is not None else None,
+            meta_key=image_key,
+            postprocessing=postprocessing,
         )
     ]
     if any(isinstance(t, InvertibleTransform) for t in preprocessing.flatten().transforms):
