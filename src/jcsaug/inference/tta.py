@@ -56,19 +56,6 @@ def tta_selection(
     return [0, *(int(i) for i in top)], torch.cat([torch.tensor([w], dtype=torch.float64), others])
 
 
-def top_tea_ops(
-    policy: CategoricalPolicy, z: int = 8, identity_weight: float | None = None
-) -> tuple[list[TEAOp], torch.Tensor]:
-    """The ops and weights of a TEA policy's learned TTA (:func:`tta_selection` of its logits); a policy that is
-    not a TEA policy is refused."""
-    if policy.num_series != 1 or policy.series_sizes[0] != len(TEA_OPS):
-        raise ValueError(
-            f"not a TEA policy: expected one series of {len(TEA_OPS)} ops, got sizes {list(policy.series_sizes)}"
-        )
-    indices, weights = tta_selection(policy.logits.detach()[0], z, identity_weight)
-    return [TEA_OPS[i] for i in indices], weights
-
-
 def _normalised_weights(weights: Sequence[float] | torch.Tensor | None, n: int) -> list[float]:
     """``n`` finite non-negative weights (default equal) scaled to sum 1; anything else is refused."""
     w = torch.ones(n, dtype=torch.float64) if weights is None else torch.as_tensor(weights).double()
@@ -133,8 +120,12 @@ class TEAInferer(Inferer):
         probability-weighted mixture of (identity, op) pairs, the ensemble a policy learned with a TEA op score of
         ``with-identity`` (:class:`jcsaug.engine.TEAPolicyUpdater`) scored its ops for: such a policy can put
         its weight on ops that help only beside the identity (a zoom that fails alone)."""
-        ops, weights = top_tea_ops(policy, z, identity_weight)
-        return cls(ops, weights, base_inferer, average)
+        if policy.num_series != 1 or policy.series_sizes[0] != len(TEA_OPS):
+            raise ValueError(
+                f"not a TEA policy: expected one series of {len(TEA_OPS)} ops, got sizes {list(policy.series_sizes)}"
+            )
+        indices, weights = tta_selection(policy.logits.detach()[0], z, identity_weight)
+        return cls([TEA_OPS[i] for i in indices], weights, base_inferer, average)
 
     def _predict(self, x: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
         out = self.base_inferer(x, network, *args, **kwargs)
@@ -328,7 +319,7 @@ class PolicyFileTEAInferer(TEAInferer):
         self._signature: tuple | None = None
         policy = self._read(missing_ok=True)
         if policy is None:
-            if self.path.exists():
+            if self._signature is not None:  # the file was read
                 raise _NeedsPolicy(f"test-time augmentation 'learned' needs a TEA policy: {self.path} holds none")
             if source.initial is None:
                 raise _NeedsPolicy(f"test-time augmentation 'learned' needs a TEA policy: {self.path} does not exist")
@@ -338,8 +329,12 @@ class PolicyFileTEAInferer(TEAInferer):
                 stacklevel=2,
             )
             policy = source.initial
-        ops, weights = top_tea_ops(policy, self.z, identity_weight)
-        super().__init__(ops, weights, base_inferer, average)
+        chosen = self._selection(policy)
+        super().__init__(chosen.ops, chosen.weights, base_inferer, average)
+
+    def _selection(self, policy: CategoricalPolicy) -> TEAInferer:
+        """``policy``'s top ops and their weights, chosen as :meth:`TEAInferer.from_policy` chooses them."""
+        return TEAInferer.from_policy(policy, self.z, identity_weight=self.identity_weight)
 
     def _file_signature(self) -> tuple | None:
         try:
@@ -363,10 +358,9 @@ class PolicyFileTEAInferer(TEAInferer):
         signature = self._file_signature()
         if signature is None or signature == self._signature:
             return False
-        ops, weights = top_tea_ops(self._read(), self.z, self.identity_weight)
-        weights = _normalised_weights(weights, len(ops))
-        changed = [op.id for op in ops] != [op.id for op in self.ops] or weights != self.weights
-        self.ops, self.weights = ops, weights
+        chosen = self._selection(self._read())
+        changed = [op.id for op in chosen.ops] != [op.id for op in self.ops] or chosen.weights != self.weights
+        self.ops, self.weights = chosen.ops, chosen.weights
         return changed
 
     def __call__(self, inputs: torch.Tensor, network: Callable, *args, **kwargs) -> torch.Tensor:
