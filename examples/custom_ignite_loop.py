@@ -18,11 +18,19 @@ from monai.losses import DiceCELoss
 from monai.networks.nets import UNet
 from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, RandCropByPosNegLabeld
 from monai.utils import set_determinism
+from torch.utils.data import RandomSampler
 
 from jcsaug.data import ContextCropd, make_synthetic_dataset
 from jcsaug.engine import PolicyExporter, TEAPolicyUpdater, TRAPolicyUpdater
 from jcsaug.ops import tra_context
-from jcsaug.policy import ClassGroupd, TRACascaded, make_tea_policy, make_tra_policy
+from jcsaug.policy import (
+    ClassGroupd,
+    PolicySnapshotDataset,
+    PolicySnapshotSampler,
+    TRACascaded,
+    make_tea_policy,
+    make_tra_policy,
+)
 
 
 def main(iterations: int = 20, output_dir: str | None = None, data_dir: str | None = None) -> str:
@@ -41,9 +49,14 @@ def main(iterations: int = 20, output_dir: str | None = None, data_dir: str | No
     # training patches with a context around them, which the TRA's rotations and zooms read before it returns them
     context = tra_context((24, 24, 24))
     augment = [ClassGroupd("label"), TRACascaded("image", tra_policy, label_keys="label", context=context)]
+    train_pipeline = Compose([*load, ContextCropd(crop, context), *augment])
+    train_dataset = CacheDataset(files["training"], train_pipeline, progress=False)
+    # the workers draw from the TRA policy as it was when each index was dispatched, not when they get to it: the
+    # run repeats with the same seed however busy the machine is
     train_loader = DataLoader(
-        CacheDataset(files["training"], Compose([*load, ContextCropd(crop, context), *augment]), progress=False),
-        batch_size=2, shuffle=True, num_workers=2,
+        PolicySnapshotDataset(train_dataset, tra_policy),
+        sampler=PolicySnapshotSampler(RandomSampler(train_dataset), tra_policy),  # shuffled, as shuffle=True
+        batch_size=2, num_workers=2,
     )  # fmt: skip
     val_loader = DataLoader(CacheDataset(files["validation"], Compose(load + [crop]), progress=False), batch_size=2)
 

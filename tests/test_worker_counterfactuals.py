@@ -1,19 +1,29 @@
 """The DataLoader workers make the paired TRA's counterfactual copies only for the batches a TRA update scores
-(``CounterfactualSampler`` + ``CounterfactualDataset``), and the run is the same as with copies on every batch."""
+(``CounterfactualSampler`` + ``CounterfactualDataset``), and the run is the same as with copies on every batch; they
+draw from the policy as it was when each index was dispatched (``PolicySnapshotSampler`` + ``PolicySnapshotDataset``),
+so the run is the same however late the workers make the batches."""
 
 from __future__ import annotations
 
+import multiprocessing
 from types import SimpleNamespace
 
 import pytest
 import torch
 from ignite.engine import Events
 from monai.data import DataLoader, Dataset
+from monai.transforms import Compose
 from monai.utils import set_determinism
-from torch.utils.data import RandomSampler, SequentialSampler
+from torch.utils.data import RandomSampler, SequentialSampler, get_worker_info
 
 from jcsaug.engine import CounterfactualDataset, CounterfactualSampler
-from jcsaug.policy import TRACascaded, make_tra_policy, making_counterfactuals
+from jcsaug.policy import (
+    PolicySnapshotDataset,
+    PolicySnapshotSampler,
+    TRACascaded,
+    make_tra_policy,
+    making_counterfactuals,
+)
 
 
 def _samples(n: int = 8) -> list[dict]:
@@ -23,31 +33,66 @@ def _samples(n: int = 8) -> list[dict]:
     return [{k: v[i] for k, v in batch.items()} for i in range(n)]
 
 
+class _LateAfterTheFirstBatch:
+    """In a DataLoader worker, hold every sample after the worker's first ``batch_size`` until ``released`` is set
+    (the main process sets it at the first policy update): the worker makes its later batches after that update,
+    as a worker slowed by a busy machine would. In the main process, pass the sample on."""
+
+    def __init__(self, released: multiprocessing.synchronize.Event, batch_size: int = 2) -> None:
+        self.released, self.batch_size, self.made = released, batch_size, 0
+
+    def __call__(self, data: dict) -> dict:
+        if get_worker_info() is not None:
+            self.made += 1
+            if self.made > self.batch_size:
+                assert self.released.wait(timeout=60), "the main process made no policy update"
+        return data
+
+
 def _worker_run(
-    schedule: bool, start: float, num_workers: int, epoch_length: int | None = None, resume_at: int = 0
+    schedule: bool,
+    start: float,
+    num_workers: int,
+    epoch_length: int | None = None,
+    resume_at: int = 0,
+    late_workers: bool = False,
 ) -> tuple[torch.Tensor, list[int], int, list]:
     """A paired-TRA run augmenting in the DataLoader (2 samples per batch, 4 batches of data, 2 epochs of
     ``epoch_length`` iterations, by default the data's; updates every 2nd iteration after a warm-up of ``start``;
-    ``resume_at``: the engine starts from that many iterations done, as a resumed run): the final logits, the
-    iterations whose batch held copies, the updates made, and the batches' op records."""
+    ``resume_at``: the engine starts from that many iterations done, as a resumed run; ``late_workers``: each worker
+    makes its batches after its first only once the first update is done): the final logits, the iterations whose
+    batch held copies, the updates made, and the batches' op records. The workers draw from the policy as it was
+    when the loader dispatched each index (``PolicySnapshotSampler``), as the bundles' do."""
     from helpers import paired_tra_training
 
     set_determinism(seed=0)
     policy, engine, updater = paired_tra_training(start)
     cascade = TRACascaded("image", policy, label_keys="label", counterfactuals=2)
-    dataset = Dataset(_samples(), transform=cascade)
+    released = multiprocessing.get_context().Event()
+    transform = Compose([_LateAfterTheFirstBatch(released), cascade]) if late_workers else cascade
+    dataset = Dataset(_samples(), transform=transform)
     if schedule:
         sampler = CounterfactualSampler(RandomSampler(dataset), batch_size=2, counterfactuals_for=updater)
-        loader = DataLoader(CounterfactualDataset(dataset), sampler=sampler, batch_size=2, num_workers=num_workers)
         sampler.attach(engine)
+        dataset = CounterfactualDataset(dataset)
     else:
-        loader = DataLoader(dataset, batch_size=2, shuffle=True, num_workers=num_workers)
+        sampler = RandomSampler(dataset)  # as DataLoader(shuffle=True) draws the indices
+    loader = DataLoader(PolicySnapshotDataset(dataset, policy), sampler=PolicySnapshotSampler(sampler, policy),
+                        batch_size=2, num_workers=num_workers)  # fmt: skip
     with_copies, ops = [], []
     engine.add_event_handler(
         Events.ITERATION_STARTED, lambda e: "image_cf" in e.state.batch and with_copies.append(e.state.iteration)
     )
     engine.add_event_handler(Events.ITERATION_STARTED, lambda e: ops.append(e.state.batch["tra_ops"].clone()))
     updater.attach(engine)
+
+    @engine.on(Events.ITERATION_COMPLETED)  # after the updater's handler
+    def release_after_the_first_update(_: object) -> None:
+        if updater.updates and not released.is_set():
+            with torch.no_grad():  # and move the policy far, as a large step would: a late draw from it would differ
+                policy.logits.add_(4.0 * (torch.arange(policy.logits.numel()) % 3).reshape(policy.logits.shape))
+            released.set()
+
     if resume_at:
         engine.load_state_dict({"iteration": resume_at, "epoch_length": epoch_length, "max_epochs": 2})
     engine.run(loader, max_epochs=2, epoch_length=epoch_length)
@@ -64,6 +109,17 @@ def test_workers_make_copies_for_the_tra_updates_only_and_the_run_is_unchanged(s
     assert updates == every_updates == len(with_copies)  # none skipped: every update found its copies
     assert all(torch.equal(a, b) for a, b in zip(ops, every_ops, strict=True))  # the same samples drew the same ops
     assert torch.equal(logits, every_logits)  # the same draws, so the same policy trajectory
+
+
+def test_late_workers_draw_what_prompt_ones_draw() -> None:
+    """Each worker makes its batches after its first only once the main process has updated the policy (a busy
+    machine's worst case): the samples draw the same ops, and the policy follows the same trajectory, as when the
+    workers are ahead. Read live, those batches would be drawn from the updated policy."""
+    logits, _, updates, ops = _worker_run(True, 0.0, 2)
+    late_logits, _, late_updates, late_ops = _worker_run(True, 0.0, 2, late_workers=True)
+    assert updates == late_updates == 4
+    assert all(torch.equal(a, b) for a, b in zip(ops, late_ops, strict=True))
+    assert torch.equal(logits, late_logits)
 
 
 @pytest.mark.parametrize("resume_at", [0, 3])
@@ -140,8 +196,11 @@ def test_the_bundle_tags_its_training_batches_for_the_tra_update_in_worker_mode(
                    "augment_on": augment_on})  # fmt: skip
     trainer = parser.get_parsed_content("trainer")
     loader, sampler = parser.get_parsed_content("train_loader"), parser.get_parsed_content("counterfactual_sampler")
-    assert loader.sampler is sampler and sampler.engine is trainer
-    assert isinstance(loader.dataset, CounterfactualDataset)
+    policy = parser.get_parsed_content("augmentation").tra_policy
+    assert isinstance(loader.sampler, PolicySnapshotSampler) and loader.sampler.policies == [policy]
+    assert loader.sampler.sampler is sampler and sampler.engine is trainer
+    assert isinstance(loader.dataset, PolicySnapshotDataset) and loader.dataset.policies == [policy]
+    assert isinstance(loader.dataset.dataset, CounterfactualDataset)
     updater = parser.get_parsed_content("policy_updaters").tra
     assert sampler.counterfactuals_for is (updater if augment_on == "worker" else None)
     trainer.state.iteration = 0  # as at the run's start

@@ -1,7 +1,7 @@
 """Learnable categorical policies and the MONAI dictionary transforms they drive."""
 
 from jcsaug.policy.cascade import BatchTRACascaded, TRACascaded, making_counterfactuals
-from jcsaug.policy.categorical import NOT_APPLIED, CategoricalPolicy
+from jcsaug.policy.categorical import NOT_APPLIED, CategoricalPolicy, sampling_from
 from jcsaug.policy.changes import OpChange, policy_changes
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
 from jcsaug.policy.gumbel import conditional_gumbel_softmax, gumbel_softmax, straight_through_weight
@@ -17,6 +17,7 @@ from jcsaug.policy.presets import (
     series_probs,
     tea_probs,
 )
+from jcsaug.policy.snapshots import PolicySnapshotDataset, PolicySnapshotSampler, SnapshotIndex
 from jcsaug.policy.transforms import ClassGroupd, LearnableOneOfd, centre_class
 
 __all__ = [
@@ -28,6 +29,9 @@ __all__ = [
     "ClassGroupd",
     "LearnableOneOfd",
     "OpChange",
+    "PolicySnapshotDataset",
+    "PolicySnapshotSampler",
+    "SnapshotIndex",
     "TRACascaded",
     "centre_class",
     "conditional_gumbel_softmax",
@@ -40,6 +44,7 @@ __all__ = [
     "make_tra_policy",
     "making_counterfactuals",
     "policy_changes",
+    "sampling_from",
     "register_tea_preset",
     "register_tra_preset",
     "series_probs",

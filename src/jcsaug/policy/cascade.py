@@ -91,7 +91,9 @@ class TRACascaded(Randomizable, MapTransform):
     """The 15 TRA series of SPEC §2, one op each, sampled from the class group's policy.
 
     For every sample: read the class group (``group_key``, from :class:`~jcsaug.policy.ClassGroupd`),
-    draw one op per series from the policy's *current* probabilities, draw the ops' magnitudes, apply
+    draw one op per series from the policy's *current* probabilities (in a DataLoader worker behind a
+    :class:`~jcsaug.policy.PolicySnapshotSampler`: as they were when the sample's index was dispatched,
+    so the draws do not depend on the worker's timing), draw the ops' magnitudes, apply
     them in the reference order (affine -> rot90 -> noise -> blur/sharpen -> shift/scale -> contrast ->
     low-res -> inverted gamma -> gamma -> mirror), and record the 15 chosen indices under ``op_key``
     (collates into ``[B, 15]``). Scaling and small rotations are combined into one resampling.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 import torch
@@ -12,6 +14,31 @@ from jcsaug.policy.gumbel import conditional_gumbel_softmax, gumbel_softmax, str
 
 NOT_APPLIED = -1  # recorded op index of a series that a sample did not pass through
 
+# logits that policies draw from within sampling_from (policy -> [num_groups, num_logits] copy); a context variable,
+# since the DataLoader's dataset and MONAI's Compose call the transforms with the sample only
+_SNAPSHOTS: ContextVar[Mapping[CategoricalPolicy, torch.Tensor] | None] = ContextVar("jcsaug_snapshots", default=None)
+
+
+@contextmanager
+def sampling_from(snapshots: Mapping[CategoricalPolicy, np.ndarray | torch.Tensor]) -> Iterator[None]:
+    """Within the block, each policy of ``snapshots`` draws its ops (:meth:`CategoricalPolicy.sample_ops`,
+    :class:`jcsaug.policy.LearnableOneOfd`) from the logits given for it (a :meth:`CategoricalPolicy.snapshot`),
+    not from its live logits. :class:`jcsaug.policy.PolicySnapshotDataset` sets it per sample in the DataLoader
+    workers."""
+    frozen = {}
+    for policy, logits in snapshots.items():
+        logits = torch.as_tensor(logits)
+        if tuple(logits.shape) != tuple(policy.logits.shape):
+            raise ValueError(
+                f"a snapshot of shape {tuple(logits.shape)} for a policy with logits {tuple(policy.logits.shape)}"
+            )
+        frozen[policy] = logits.to(policy.logits.dtype)
+    token = _SNAPSHOTS.set(frozen)
+    try:
+        yield
+    finally:
+        _SNAPSHOTS.reset(token)
+
 
 class CategoricalPolicy(nn.Module):
     """Categorical distributions over ops: one per *series* and *class group*.
@@ -20,7 +47,10 @@ class CategoricalPolicy(nn.Module):
     ``[num_groups, sum(series_sizes)]``; index 0 of every series is the identity. The parameter lives
     in shared memory and is only ever updated in place (optimiser steps, ``load_state_dict``), so
     transforms running in DataLoader worker processes sample from the current probabilities. Keep
-    a policy on the CPU: it is tiny, and a copy on a GPU would not be seen by the workers.
+    a policy on the CPU: it is tiny, and a copy on a GPU would not be seen by the workers. Which
+    probabilities a sample sees then depends on when its worker makes it; for runs that repeat on a busy
+    machine, load through :class:`jcsaug.policy.PolicySnapshotSampler` and
+    :class:`jcsaug.policy.PolicySnapshotDataset`, which fix them when the sample's index is dispatched.
 
     Args:
         series_sizes: number of choices (identity included) of each series.
@@ -125,16 +155,29 @@ class CategoricalPolicy(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ------------------------------------------------------------------ sampling in workers
+    def snapshot(self) -> np.ndarray:
+        """A copy of the logits (numpy: sent to a DataLoader worker by value, not as a shared-memory tensor)."""
+        return self.logits.detach().numpy().copy()
+
+    def sampling_logits(self) -> torch.Tensor:
+        """The logits ops are drawn from: the snapshot an enclosing :func:`sampling_from` gives, else the live ones
+        (detached)."""
+        frozen = _SNAPSHOTS.get()
+        if frozen is not None and self in frozen:
+            return frozen[self]
+        return self.logits.detach()
+
     def sample_ops(self, group: int, rng: np.random.RandomState) -> np.ndarray:
         """Draw one op per series for a sample of class group ``group`` (no gradient; worker side).
 
         Equivalent in distribution to the argmax of Gumbel-perturbed logits; uses the caller's seeded
-        ``RandomState`` (MONAI's ``Randomizable.R``) so that ``set_determinism`` reproduces the draws.
+        ``RandomState`` (MONAI's ``Randomizable.R``) so that ``set_determinism`` reproduces the draws. Draws from
+        :meth:`sampling_logits`: a snapshot within :func:`sampling_from`, else the current logits.
         """
         if not 0 <= int(group) < self.num_groups:
             raise ValueError(f"class group {group} out of range for a policy with {self.num_groups} group(s)")
         idx, valid, sizes = self._padded_index()
-        z = np.where(valid, self.logits.detach()[int(group)].double().numpy()[idx], -np.inf)
+        z = np.where(valid, self.sampling_logits()[int(group)].double().numpy()[idx], -np.inf)
         cdf = np.cumsum(np.exp(z - z.max(axis=1, keepdims=True)), axis=1)  # [L, max_n], all series at once
         u = rng.random_sample(len(sizes)) * cdf[np.arange(len(sizes)), sizes - 1]
         cdf[~valid] = np.inf

@@ -177,7 +177,8 @@ class LearnableOneOfd(Randomizable, Transform):
 
     def randomize(self, data: Mapping) -> int:
         group = _group_of(data, self.group_key, self.policy)
-        probs = torch.softmax(self.policy.series_logits(self.series).detach()[group].double(), 0).numpy()
+        logits = self.policy.sampling_logits()[group, self.policy.series_slice(self.series)]
+        probs = torch.softmax(logits.double(), 0).numpy()
         cdf = np.cumsum(probs)
         return min(int(np.searchsorted(cdf, self.R.random_sample() * cdf[-1], side="right")), len(probs) - 1)
 
