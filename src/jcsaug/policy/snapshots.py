@@ -10,6 +10,11 @@ sends the copy with each index, and :class:`PolicySnapshotDataset` makes the sam
 :func:`jcsaug.policy.sampling_from` that copy. The draws are then a function of the seed alone. With
 ``num_workers=0`` the indices are asked for when the batch is made, so nothing changes.
 
+Not covered: a loader that asks for indices from a thread of its own, such as MONAI's ``ThreadDataLoader`` (its
+buffer thread runs the sampler at that thread's pace, ahead of the loop by up to ``buffer_size + 1`` batches, so the
+copy is taken at a moment timing decides). With it, draw the ops on the main process instead
+(:class:`jcsaug.policy.BatchTRACascaded` on each collated batch, the bundles' ``augment_on: device``).
+
 Use both, with the same policies (they may wrap a :class:`jcsaug.engine.CounterfactualSampler` and
 :class:`jcsaug.engine.CounterfactualDataset`, as the bundles do)::
 
