@@ -14,6 +14,12 @@ reported (what knowing the answer is worth), the mean wall time of a joint run,
 how many targets are met (``N/A``: the oracle gains nothing on that shift; "no oracle run": no oracle mode was
 reported, so none could be found not to apply), and the missed ones with the figure measured (the joint's without
 its mode's name).
+
+With ``--paired``, a second table compares settings seed by seed: each record of a shift against the first record
+of that shift given (e.g. ``OUT_defaults OUT_candidate``), the joint's test Dice differences on the seeds both hold,
+with TTA and without, their means and how many seeds gained; then the mean over every paired run. A seed whose
+``heuristic+mirror`` Dice differs between the two records by more than 0.1 is flagged (``*``): its runs were made
+on machines (or code) that do not reproduce each other, so the pair compares more than the settings.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ def load_record(path: Path) -> dict:
         raise RecordError(f"{path}: not a bench_learning_quality.py record (missing {missing})")
     if record["baseline"] not in record["dice"]:
         raise RecordError(f"{path}: no Dice of the baseline {record['baseline']!r}")
+    for mode, dice in record["dice"].items():
+        if any(len(dice.get(key, ())) != len(record["seeds"]) for key in ("none", "tta")):
+            raise RecordError(f"{path}: {mode}'s Dice (none, tta) is not one per seed of {record['seeds']}")
     return record
 
 
@@ -96,7 +105,7 @@ def row(record: dict) -> str:
     if shift.startswith("custom-") and record.get("target_domain"):  # a hash: show the mapping it stands for
         shift += f" `{json.dumps(record['target_domain'])}`"
     oracle = "–" if record.get("oracle_gain") is None else f"{record['oracle_gain']:+.1f}"
-    cells = [shift, " ".join(record["settings"]) or "defaults", seeds_text(record["seeds"]), dice, oracle, seconds,
+    cells = [shift, settings_text(record), seeds_text(record["seeds"]), dice, oracle, seconds,
              met, "; ".join(missed) or "–"]  # fmt: skip
     return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"  # a "|" in a setting: not a column
 
@@ -111,16 +120,95 @@ def summary_table(records: list[dict]) -> str:
     return "\n".join(lines + [row(r) for r in records]) + "\n"
 
 
+REPRODUCED = 0.1  # Dice points: a baseline run that differs more between two records was not reproduced
+
+
+def settings_text(record: dict) -> str:
+    return " ".join(record["settings"]) or "defaults"
+
+
+def paired_differences(record: dict, reference: dict) -> dict | None:
+    """The joint's Dice in ``record`` less that in ``reference``, seed by seed on the seeds both hold (``None``
+    where either has no joint run or they share no seed), and the seeds whose baseline was not reproduced."""
+    if JOINT not in record["dice"] or JOINT not in reference["dice"]:
+        return None
+    position = {seed: i for i, seed in enumerate(reference["seeds"])}
+    seeds = [seed for seed in record["seeds"] if seed in position]
+    if not seeds:
+        return None
+    mine = {seed: i for i, seed in enumerate(record["seeds"])}
+
+    def delta(mode: str, key: str, seed: int) -> float | None:
+        if mode not in record["dice"] or mode not in reference["dice"]:
+            return None
+        return record["dice"][mode][key][mine[seed]] - reference["dice"][mode][key][position[seed]]
+
+    base = record["baseline"]
+    unreproduced = [seed for seed in seeds if base == reference["baseline"]
+                    and any(abs(delta(base, key, seed) or 0.0) > REPRODUCED for key in ("none", "tta"))]  # fmt: skip
+    return {
+        "seeds": seeds,
+        "tta": [delta(JOINT, "tta", seed) for seed in seeds],
+        "none": [delta(JOINT, "none", seed) for seed in seeds],
+        "unreproduced": unreproduced,
+    }
+
+
+def paired_table(records: list[dict]) -> str:
+    """Each shift's later records against its first, seed by seed; then the mean over every paired run."""
+    lines = [
+        "| shift | settings | against | seeds | Δ TTA per seed | Δ none per seed | mean Δ, TTA / none | seeds gaining, "
+        "TTA / none |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    first: dict[str, dict] = {}
+    every_tta: list[float] = []
+    every_none: list[float] = []
+    any_unreproduced = False
+    for record in records:
+        reference = first.setdefault(record["shift"], record)
+        if reference is record:
+            continue
+        paired = paired_differences(record, reference)
+        if paired is None:
+            continue
+        tta, none, seeds = paired["tta"], paired["none"], paired["seeds"]
+        every_tta += tta
+        every_none += none
+        any_unreproduced |= bool(paired["unreproduced"])
+        flagged = [f"{v:+.1f}" + ("*" if seed in paired["unreproduced"] else "") for seed, v in zip(seeds, tta)]
+        cells = [
+            record["shift"], settings_text(record), settings_text(reference), seeds_text(seeds), ", ".join(flagged),
+            ", ".join(f"{v:+.1f}" for v in none), f"{statistics.mean(tta):+.2f} / {statistics.mean(none):+.2f}",
+            f"{sum(v > 0 for v in tta)} / {sum(v > 0 for v in none)} of {len(seeds)}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    if not every_tta:
+        return "No paired runs: give two records of one shift with a joint run on a seed they share.\n"
+    lines.append(
+        f"\nOver {len(every_tta)} paired runs: mean Δ {statistics.mean(every_tta):+.2f} with TTA, "
+        f"{statistics.mean(every_none):+.2f} without ({sum(v > 0 for v in every_tta)} / "
+        f"{sum(v > 0 for v in every_none)} gaining)."
+    )
+    if any_unreproduced:
+        lines.append(f"`*`: the seed's {JOINT} pair compares runs whose baseline differs by more than {REPRODUCED}.")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, metavar="OUT", help="--out folders or record files")
     parser.add_argument("--output", type=Path, default=None, help="also write the table to this file")
+    parser.add_argument("--paired", action="store_true",
+                        help="also compare each shift's records with its first one, seed by seed")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         records = [load_record(path) for path in record_files(args.paths)]
     except RecordError as error:
         parser.error(str(error))
     table = summary_table(records)
+    if args.paired:
+        table += "\n" + paired_table(records)
     print(table, end="")
     if args.output is not None:
         args.output.write_text(table)

@@ -135,3 +135,60 @@ def test_a_pipe_in_a_setting_stays_in_its_cell(summary):
     piped = record("default", ['tra_preset={"a": "x|y"}'], [80.0, 80.0, 80.0], {})
     cells = summary.row(piped).split(" | ")
     assert cells[1] == 'tra_preset={"a": "x\\|y"}' and len(summary.row(piped).replace("\\|", "").split("|")) == 10
+
+
+def test_paired_compares_each_shifts_records_with_its_first_seed_by_seed(summary, tmp_path, capsys):
+    """``--paired``: the candidate against the defaults on the seeds both hold; another shift pairs within itself."""
+    defaults = record("default", [], [80.0, 82.0, 84.0], {}, seeds=(0, 1, 2))
+    candidate = record("default", ["tra_lookahead=48"], [81.0, 81.5, 86.0, 90.0], {}, seeds=(1, 2, 0, 3))
+    gamma = record("gamma", [], [70.0, 70.0], {}, seeds=(0, 1))
+    gamma_candidate = record("gamma", ["tra_lookahead=48"], [69.0, 72.0], {}, seeds=(0, 1))
+    paths = [write(tmp_path / name / "learning_quality_x.json", content) for name, content in
+             [("a", defaults), ("b", candidate), ("c", gamma), ("d", gamma_candidate)]]  # fmt: skip
+
+    summary.main([str(p) for p in paths] + ["--paired"])
+
+    out = capsys.readouterr().out
+    paired = out[out.index("| shift | settings | against |") :].splitlines()
+    # seed order of the candidate's record: 1, 2, 0 shared (3 is not in the defaults); joint none = tta - 2 in both
+    assert paired[2] == ("| default | tra_lookahead=48 | defaults | 1, 2, 0 | -1.0, -2.5, +6.0 | -1.0, -2.5, +6.0 | "
+                         "+0.83 / +0.83 | 1 / 1 of 3 |")  # fmt: skip
+    assert paired[3] == ("| gamma | tra_lookahead=48 | defaults | 0, 1 | -1.0, +2.0 | -1.0, +2.0 | +0.50 / +0.50 | "
+                         "1 / 1 of 2 |")  # fmt: skip
+    assert "Over 5 paired runs: mean Δ +0.70 with TTA, +0.70 without (2 / 2 gaining)." in out
+    assert "`*`" not in out  # the same heuristic in every record
+
+
+def test_paired_flags_a_seed_whose_baseline_was_not_reproduced(summary, tmp_path, capsys):
+    defaults = record("default", [], [80.0, 82.0], {}, seeds=(0, 1))
+    other_machine = record("default", ["tra_lookahead=48"], [81.0, 83.0], {}, seeds=(0, 1))
+    other_machine["dice"]["heuristic+mirror"]["tta"][1] = 64.5  # seed 1's heuristic differs by 0.5
+    paths = [write(tmp_path / n / "learning_quality_x.json", c) for n, c in [("a", defaults), ("b", other_machine)]]
+
+    summary.main([str(p) for p in paths] + ["--paired"])
+
+    out = capsys.readouterr().out
+    assert "| 0, 1 | +1.0, +1.0* |" in out
+    assert "`*`: the seed's class-specific+joint pair compares runs whose baseline differs by more than 0.1." in out
+
+
+def test_paired_without_a_pair_says_so(summary, tmp_path, capsys):
+    no_joint = record("default", ["x=1"], [80.0], {}, seeds=(0,))
+    del no_joint["dice"]["class-specific+joint"]
+    contents = [record("default", [], [80.0], {}, seeds=(0,)), no_joint, record("gamma", [], [80.0], {}, seeds=(1,))]
+    paths = [write(tmp_path / str(i) / "learning_quality_x.json", c) for i, c in enumerate(contents)]
+
+    summary.main([str(p) for p in paths] + ["--paired"])
+
+    assert "No paired runs: give two records of one shift with a joint run on a seed they share." in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_record_with_dice_not_one_per_seed_is_refused(summary, tmp_path, capsys):
+    short = record("default", [], [80.0, 80.0], {}, seeds=(0, 1, 2))  # the joint's Dice for two seeds of three
+    path = write(tmp_path / "learning_quality_default.json", short)
+    with pytest.raises(SystemExit):
+        summary.main([str(path)])
+    err = capsys.readouterr().err
+    assert f"{path}: class-specific+joint's Dice (none, tta) is not one per seed of [0, 1, 2]" in err
