@@ -9,10 +9,12 @@ and learn the policies every N iterations; ``PolicyExporter`` writes ``policies.
 from __future__ import annotations
 
 import argparse
+import logging
 import tempfile
 
 import torch
 from ignite.engine import Engine
+from ignite.handlers import ProgressBar
 from monai.data import CacheDataset, DataLoader, load_decathlon_datalist
 from monai.losses import DiceCELoss
 from monai.networks.nets import UNet
@@ -79,6 +81,7 @@ def main(iterations: int = 20, output_dir: str | None = None, data_dir: str | No
     TEAPolicyUpdater(tea_policy, net, val_loader, lr=0.01, update_every=2, num_copies=4).attach(trainer)
     exporter = PolicyExporter(output_dir, tra_policy, tea_policy)
     exporter.attach(trainer)
+    ProgressBar(persist=True).attach(trainer, output_transform=lambda loss: {"loss": loss})
     trainer.run(train_loader, max_epochs=1, epoch_length=iterations)
     print(f"policies written to {exporter.policies_path}; show them with: jcsaug policy show {exporter.policies_path}")
     return str(exporter.policies_path)
@@ -90,4 +93,7 @@ if __name__ == "__main__":
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--data-dir", default=None)
     args = parser.parse_args()
+    # the updaters log a line per epoch (updates done, the ops that moved most) at INFO on the "jcsaug" logger
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("ignite").setLevel(logging.WARNING)
     main(args.iterations, args.output_dir, args.data_dir)
