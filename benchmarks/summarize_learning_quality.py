@@ -124,6 +124,7 @@ REPRODUCED = 0.1  # Dice points: a baseline run that differs more between two re
 
 
 def settings_text(record: dict) -> str:
+    """The record's `--set` overrides, or ``defaults``."""
     return " ".join(record["settings"]) or "defaults"
 
 
