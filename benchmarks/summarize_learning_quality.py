@@ -79,6 +79,16 @@ def seeds_text(seeds: list[int]) -> str:
     return ", ".join(map(str, seeds))
 
 
+def settings_text(record: dict) -> str:
+    """The record's `--set` overrides, or ``defaults``."""
+    return " ".join(record["settings"]) or "defaults"
+
+
+def markdown_row(cells: list[str]) -> str:
+    """One row of a Markdown table; a "|" inside a cell (a setting's value) is escaped, not a column."""
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
 def lead(record: dict, mode: str, key: str) -> float | None:
     """The mean over seeds of ``mode``'s test Dice (``none`` or ``tta``) less the baseline's, seed by seed."""
     if mode not in record["dice"]:
@@ -107,7 +117,7 @@ def row(record: dict) -> str:
     oracle = "–" if record.get("oracle_gain") is None else f"{record['oracle_gain']:+.1f}"
     cells = [shift, settings_text(record), seeds_text(record["seeds"]), dice, oracle, seconds,
              met, "; ".join(missed) or "–"]  # fmt: skip
-    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"  # a "|" in a setting: not a column
+    return markdown_row(cells)
 
 
 def summary_table(records: list[dict]) -> str:
@@ -123,11 +133,6 @@ def summary_table(records: list[dict]) -> str:
 REPRODUCED = 0.1  # Dice points: a baseline run that differs more between two records was not reproduced
 
 
-def settings_text(record: dict) -> str:
-    """The record's `--set` overrides, or ``defaults``."""
-    return " ".join(record["settings"]) or "defaults"
-
-
 def paired_differences(record: dict, reference: dict) -> dict | None:
     """The joint's Dice in ``record`` less that in ``reference``, seed by seed on the seeds both hold (``None``
     where either has no joint run or they share no seed), and the seeds whose baseline was not reproduced."""
@@ -139,14 +144,12 @@ def paired_differences(record: dict, reference: dict) -> dict | None:
         return None
     mine = {seed: i for i, seed in enumerate(record["seeds"])}
 
-    def delta(mode: str, key: str, seed: int) -> float | None:
-        if mode not in record["dice"] or mode not in reference["dice"]:
-            return None
+    def delta(mode: str, key: str, seed: int) -> float:  # a mode both records hold
         return record["dice"][mode][key][mine[seed]] - reference["dice"][mode][key][position[seed]]
 
-    base = record["baseline"]
+    base = record["baseline"]  # load_record checked that a record holds its baseline's Dice
     unreproduced = [seed for seed in seeds if base == reference["baseline"]
-                    and any(abs(delta(base, key, seed) or 0.0) > REPRODUCED for key in ("none", "tta"))]  # fmt: skip
+                    and any(abs(delta(base, key, seed)) > REPRODUCED for key in ("none", "tta"))]  # fmt: skip
     return {
         "seeds": seeds,
         "tta": [delta(JOINT, "tta", seed) for seed in seeds],
@@ -183,7 +186,7 @@ def paired_table(records: list[dict]) -> str:
             ", ".join(f"{v:+.1f}" for v in none), f"{statistics.mean(tta):+.2f} / {statistics.mean(none):+.2f}",
             f"{sum(v > 0 for v in tta)} / {sum(v > 0 for v in none)} of {len(seeds)}",
         ]  # fmt: skip
-        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+        lines.append(markdown_row(cells))
     if not every_tta:
         return "No paired runs: give two records of one shift with a joint run on a seed they share.\n"
     lines.append(
