@@ -25,6 +25,7 @@ DOCUMENTED = {
     "BlendedTTAInferer": "jcsaug.inference.tta",
     "make_tra_policy": "jcsaug.policy.factory",
     "load_policies": "jcsaug.policy.io",
+    "LockstepThreadDataLoader": "jcsaug.policy.lockstep",
 }
 
 

@@ -5,6 +5,7 @@ from jcsaug.policy.categorical import NOT_APPLIED, CategoricalPolicy, sampling_f
 from jcsaug.policy.changes import OpChange, policy_changes
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
 from jcsaug.policy.gumbel import conditional_gumbel_softmax, gumbel_softmax, straight_through_weight
+from jcsaug.policy.lockstep import LockstepThreadDataLoader, PolicyHistory
 from jcsaug.policy.presets import (
     TEA_PRESETS,
     TRA_PRESETS,
@@ -28,7 +29,9 @@ __all__ = [
     "CategoricalPolicy",
     "ClassGroupd",
     "LearnableOneOfd",
+    "LockstepThreadDataLoader",
     "OpChange",
+    "PolicyHistory",
     "PolicySnapshotDataset",
     "PolicySnapshotSampler",
     "SnapshotIndex",

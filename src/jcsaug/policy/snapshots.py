@@ -12,8 +12,9 @@ sends the copy with each index, and :class:`PolicySnapshotDataset` makes the sam
 
 Not covered: a loader that asks for indices from a thread of its own, such as MONAI's ``ThreadDataLoader`` (its
 buffer thread runs the sampler at that thread's pace, ahead of the loop by up to ``buffer_size + 1`` batches, so the
-copy is taken at a moment timing decides). With it, draw the ops on the main process instead
-(:class:`jcsaug.policy.BatchTRACascaded` on each collated batch, the bundles' ``augment_on: device``).
+copy would be taken at a moment timing decides). Use :class:`jcsaug.policy.LockstepThreadDataLoader` in its place,
+or draw the ops on the main process (:class:`jcsaug.policy.BatchTRACascaded` on each collated batch, the bundles'
+``augment_on: device``).
 
 Use both, with the same policies (they may wrap a :class:`jcsaug.engine.CounterfactualSampler` and
 :class:`jcsaug.engine.CounterfactualDataset`, as the bundles do)::
