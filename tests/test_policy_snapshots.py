@@ -86,6 +86,12 @@ def test_the_sampler_passes_the_epoch_on_to_a_distributed_sampler() -> None:
     PolicySnapshotSampler(range(2), CategoricalPolicy([2])).set_epoch(1)  # no set_epoch to pass on: nothing
 
 
+def test_the_samplers_length_is_the_wrapped_ones_and_a_stream_without_one_is_named() -> None:
+    assert len(PolicySnapshotSampler(range(5), CategoricalPolicy([2]))) == 5
+    with pytest.raises(TypeError, match="generator has no len()"):
+        len(PolicySnapshotSampler((i for i in range(5)), CategoricalPolicy([2])))
+
+
 def test_the_dataset_makes_each_item_from_its_snapshot_and_plain_indices_from_the_live_logits() -> None:
     policy = CategoricalPolicy([3])
     chooser = LearnableOneOfd([Flipd("image", 0), Flipd("image", 1)], policy, group_key=None).set_random_state(0)

@@ -1,13 +1,13 @@
-"""Small helpers shared across the package: command-line flags and the one atomic file write."""
+"""Small helpers shared across the package: command-line flags, the one atomic file write, a wrapper's length."""
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from pathlib import Path
 
-__all__ = ["as_flag", "atomic_write", "atomic_write_bytes", "atomic_write_text", "file_mode"]
+__all__ = ["as_flag", "atomic_write", "atomic_write_bytes", "atomic_write_text", "file_mode", "wrapped_len"]
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0", "", "none"}
@@ -26,6 +26,13 @@ def as_flag(value: object) -> bool:
     if value is None:
         return False
     raise ValueError(f"expected a true/false flag, got {value!r}")
+
+
+def wrapped_len(wrapped: object) -> int:
+    """The length of what a sampler wrapper wraps, for its ``__len__``; a clear error when it has none."""
+    if not isinstance(wrapped, Sized):
+        raise TypeError(f"{type(wrapped).__name__} has no len()")
+    return len(wrapped)
 
 
 def file_mode() -> int:

@@ -17,7 +17,7 @@ Use both, and attach the sampler to the trainer (it reads the iteration the epoc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ignite.engine import Engine
@@ -25,6 +25,7 @@ from torch.utils.data import Dataset, Sampler
 
 from jcsaug.engine.device_augmentation import UpdateSchedule
 from jcsaug.policy.cascade import making_counterfactuals
+from jcsaug.utils import wrapped_len
 
 
 class CounterfactualSampler(Sampler):
@@ -74,9 +75,7 @@ class CounterfactualSampler(Sampler):
             yield index, schedule.updates_at(engine, first + k // self.batch_size)
 
     def __len__(self) -> int:
-        if not isinstance(self.sampler, Sized):
-            raise TypeError(f"{type(self.sampler).__name__} has no len()")
-        return len(self.sampler)
+        return wrapped_len(self.sampler)
 
 
 class CounterfactualDataset(Dataset):

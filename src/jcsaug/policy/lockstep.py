@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence, Sized
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from torch.utils.data import BatchSampler, Dataset, RandomSampler, SequentialSam
 
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.snapshots import PolicySnapshotDataset, SnapshotIndex, _as_policies
+from jcsaug.utils import wrapped_len
 
 Logits = tuple[np.ndarray, ...]
 
@@ -200,9 +201,7 @@ class _LockstepBatchSampler:
             yield [SnapshotIndex(index, logits) for index in indices]
 
     def __len__(self) -> int:
-        if not isinstance(self.batch_sampler, Sized):
-            raise TypeError(f"{type(self.batch_sampler).__name__} has no len()")
-        return len(self.batch_sampler)
+        return wrapped_len(self.batch_sampler)
 
 
 class LockstepThreadDataLoader(ThreadDataLoader):

@@ -25,13 +25,14 @@ Use both, with the same policies (they may wrap a :class:`jcsaug.engine.Counterf
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence, Sized
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 from torch.utils.data import Dataset, Sampler
 
 from jcsaug.policy.categorical import CategoricalPolicy, sampling_from
+from jcsaug.utils import wrapped_len
 
 
 class SnapshotIndex(NamedTuple):
@@ -69,9 +70,7 @@ class PolicySnapshotSampler(Sampler):
             yield SnapshotIndex(index, tuple(policy.snapshot() for policy in self.policies))
 
     def __len__(self) -> int:
-        if not isinstance(self.sampler, Sized):
-            raise TypeError(f"{type(self.sampler).__name__} has no len()")
-        return len(self.sampler)
+        return wrapped_len(self.sampler)
 
     def set_epoch(self, epoch: int) -> None:
         """Passed on to the wrapped sampler if it has one (a ``DistributedSampler`` shuffles by its epoch)."""
