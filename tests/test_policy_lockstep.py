@@ -215,7 +215,7 @@ class _Broken(_SeenLogit):
 
 
 def test_an_error_on_the_buffer_thread_is_raised_on_the_loops_thread() -> None:
-    """MONAI's ThreadDataLoader would end the epoch early without a word; this one raises the error."""
+    """MONAI's ThreadDataLoader would print it from its thread and end the epoch early; this one raises the error."""
     policy = CategoricalPolicy([2])
     loader = LockstepThreadDataLoader(_Broken(policy), PolicyHistory(policy), batch_size=2)
     with pytest.raises(KeyError, match="image: missing in item 5"):

@@ -210,7 +210,7 @@ class LockstepThreadDataLoader(ThreadDataLoader):
 
     Each batch it makes must be consumed, in order (Ignite does; so does a ``for`` loop over it). The buffer
     thread waits when it gets ``lag`` batches ahead; a smaller lag is more up to date and overlaps less work.
-    An error on the buffer thread is raised on the loop's (MONAI's loader ends the epoch early without a word).
+    An error on the buffer thread is raised on the loop's (MONAI's prints it from the thread and ends the epoch early).
 
     >>> import torch
     >>> from ignite.engine import Engine
@@ -288,7 +288,7 @@ class LockstepThreadDataLoader(ThreadDataLoader):
     def __iter__(self) -> Iterator[Any]:
         stop = self.lockstep.stop = threading.Event()  # this iteration's: read when its first batch is asked for
         failures: list[Exception] = []
-        # MONAI's ThreadDataLoader.__iter__, with the buffer thread's error kept: there it ends the epoch silently
+        # MONAI's ThreadDataLoader.__iter__, with the buffer thread's error kept: there the loop sees a short epoch
         made = _keeping_error(super(ThreadDataLoader, self).__iter__(), failures)
         batches = buffer_iterator(made, self.buffer_size, self.buffer_timeout, self.repeats)
         try:
