@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -238,7 +239,7 @@ def _seen_in_a_plain_loop(policy: CategoricalPolicy, history: PolicyHistory, fir
     return seen
 
 
-def test_a_resume_with_the_history_from_the_checkpoint_draws_as_the_uninterrupted_run() -> None:
+def test_a_resume_with_the_history_from_the_checkpoint_draws_as_the_uninterrupted_run(tmp_path: Path) -> None:
     policy = CategoricalPolicy([2])
     uninterrupted = _seen_in_a_plain_loop(policy, PolicyHistory(policy), 0, 8)
     assert uninterrupted == [0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
@@ -246,7 +247,9 @@ def test_a_resume_with_the_history_from_the_checkpoint_draws_as_the_uninterrupte
     policy = CategoricalPolicy([2])
     history = PolicyHistory(policy)
     first_half = _seen_in_a_plain_loop(policy, history, 0, 4)
-    checkpoint = {"policy": policy.state_dict(), "history": history.state_dict()}
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"policy": policy.state_dict(), "history": history.state_dict()}, path)
+    checkpoint = torch.load(path, weights_only=True)  # torch's default since 2.6: tensors, lists and ints only
     resumed_policy = CategoricalPolicy([2])
     resumed_policy.load_state_dict(checkpoint["policy"])
     resumed_history = PolicyHistory(resumed_policy)

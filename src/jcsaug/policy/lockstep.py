@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from ignite.engine import Engine, Events
 from monai.data import ThreadDataLoader
 from monai.data.thread_buffer import buffer_iterator
@@ -148,30 +149,37 @@ class PolicyHistory:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """The kept copies (a few kB): with the policies in a checkpoint, a resume draws as the uninterrupted run."""
+        """The kept copies and the run's first (a few kB), as tensors that ``torch.load(..., weights_only=True)``
+        reads: in a checkpoint with the policies, a resume draws as the uninterrupted run."""
+
+        def saved(copy: tuple[int, Logits]) -> list:
+            return [copy[0], [torch.from_numpy(x.copy()) for x in copy[1]]]
+
         with self._changed:
-            return {
-                "copies": [(it, [np.array(x) for x in logits]) for it, logits in self._copies],
-                "oldest": None if self._oldest is None else (self._oldest[0], [np.array(x) for x in self._oldest[1]]),
-            }
+            first = None if self._oldest is None else saved(self._oldest)
+            return {"copies": [saved(copy) for copy in self._copies], "first": first}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the copies of :meth:`state_dict`; a copy for other policies is refused by name."""
-        try:
-            copies = [(int(it), tuple(np.asarray(x) for x in logits)) for it, logits in state["copies"]]
-            oldest = state["oldest"]
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"PolicyHistory.load_state_dict: not a PolicyHistory state ({error!r})") from error
         shapes = [tuple(policy.logits.shape) for policy in self.policies]
-        for it, logits in copies:
+
+        def loaded(copy: Sequence) -> tuple[int, Logits]:
+            iteration, logits = int(copy[0]), tuple(torch.as_tensor(x).numpy().copy() for x in copy[1])
             if [tuple(x.shape) for x in logits] != shapes:
                 raise ValueError(
-                    f"PolicyHistory.load_state_dict: the copy after iteration {it} has logits of shapes "
+                    f"PolicyHistory.load_state_dict: the copy after iteration {iteration} has logits of shapes "
                     f"{[tuple(x.shape) for x in logits]}, the policies {shapes}"
                 )
+            return iteration, logits
+
+        try:
+            copies = [loaded(copy) for copy in state["copies"]]
+            first = None if state["first"] is None else loaded(state["first"])
+        except (KeyError, TypeError, IndexError) as error:
+            raise ValueError(f"PolicyHistory.load_state_dict: not a PolicyHistory state ({error!r})") from error
         with self._changed:
             self._copies = deque(copies, maxlen=self.keep)
-            self._oldest = None if oldest is None else (int(oldest[0]), tuple(np.asarray(x) for x in oldest[1]))
+            self._oldest = first
             self._changed.notify_all()
 
 
