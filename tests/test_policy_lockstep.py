@@ -13,11 +13,22 @@ import pytest
 import torch
 from ignite.engine import Engine, Events
 from monai.data import CacheDataset, MetaTensor
-from monai.transforms import Flipd
+from monai.losses import DiceCELoss
+from monai.networks.nets import UNet
+from monai.transforms import Compose, Flipd
 from monai.utils import set_determinism
 from torch.utils.data import Dataset, SequentialSampler
 
-from jcsaug.policy import CategoricalPolicy, LearnableOneOfd, LockstepThreadDataLoader, PolicyHistory
+from jcsaug.engine import TRAPolicyUpdater
+from jcsaug.policy import (
+    CategoricalPolicy,
+    ClassGroupd,
+    LearnableOneOfd,
+    LockstepThreadDataLoader,
+    PolicyHistory,
+    TRACascaded,
+    make_tra_policy,
+)
 
 
 class _SeenLogit(Dataset):
@@ -150,6 +161,43 @@ def test_a_learnable_transform_draws_the_same_ops_whether_the_loop_or_the_data_i
     assert slow_loop == slow_data
     # batches 3.. draw from the policy after iteration k - 2
     assert [set(ops) for ops in slow_loop[2:]] == [{(k - 2) % 2} for k in range(3, 13)]
+
+
+def _learned_tra(step_delay: float, data_delay: float) -> torch.Tensor:
+    """The TRA policy's logits after a tiny seeded Ignite run: a TRA update every iteration, the cascade on the
+    loader's buffer thread."""
+    set_determinism(seed=0)
+    tra = make_tra_policy("nnunet", num_groups=2)
+    volumes = [torch.rand(1, 16, 16, 16) for _ in range(13)]
+    items = [{"image": MetaTensor(v), "label": MetaTensor((v > 0.7).float())} for v in volumes]
+    pipeline = Compose([ClassGroupd("label"), TRACascaded("image", tra, label_keys="label")])
+    data = _Delayed(CacheDataset(items[:12], pipeline, progress=False), data_delay)
+    # 4 patches a batch: the estimator compares the patches of a class group within a batch
+    loader = LockstepThreadDataLoader(data, PolicyHistory(tra), batch_size=4, shuffle=True)
+    net = UNet(3, 1, 2, channels=(4, 8), strides=(2,))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    loss = DiceCELoss(to_onehot_y=True, softmax=True)
+
+    def step(engine: Engine, batch: dict) -> None:
+        time.sleep(step_delay)
+        optimizer.zero_grad()
+        loss(net(batch["image"]), batch["label"]).backward()
+        optimizer.step()
+
+    trainer = Engine(step)
+    validation = [{"image": items[12]["image"][None], "label": items[12]["label"][None]}]
+    TRAPolicyUpdater(tra, net, validation, optimizer, lr=0.1, update_every=1).attach(trainer)
+    loader.history.attach(trainer)
+    trainer.run(loader, max_epochs=2)
+    set_determinism(None)
+    return tra.logits.detach().clone()
+
+
+def test_the_tra_policys_trajectory_repeats_whether_the_loop_or_the_data_is_slow() -> None:
+    # an iteration takes ~0.1 s here: with the slow loop the buffer thread is ahead, with slow data behind
+    slow_loop, slow_data = _learned_tra(0.3, 0.0), _learned_tra(0.0, 0.1)
+    assert not torch.equal(slow_loop, make_tra_policy("nnunet", num_groups=2).logits)  # the updates moved it
+    assert torch.equal(slow_loop, slow_data)
 
 
 def test_a_run_that_raises_releases_the_waiting_buffer_thread_and_a_new_run_starts_afresh() -> None:
