@@ -2,7 +2,9 @@
 
 Two series of ordinary MONAI dictionary transforms become learnable choosers (index 0 = do nothing);
 ``TRAPolicyUpdater`` learns their probabilities on MONAI's ``SupervisedTrainer`` by the bi-level
-update of the paper. Runs offline on the CPU in about a minute:
+update of the paper. The batches are made on a thread ahead of the loop, as MONAI's ``ThreadDataLoader`` makes
+them, in lockstep with the policy updates (``LockstepThreadDataLoader``), so the run repeats with its seed.
+Runs offline on the CPU in about a minute:
 
     python examples/compose_learnable.py --iterations 40
 """
@@ -31,7 +33,7 @@ from monai.utils import set_determinism
 
 from jcsaug.data import make_synthetic_dataset
 from jcsaug.engine import TRAPolicyUpdater
-from jcsaug.policy import CategoricalPolicy, LearnableOneOfd
+from jcsaug.policy import CategoricalPolicy, LearnableOneOfd, LockstepThreadDataLoader, PolicyHistory
 
 
 def main(iterations: int = 40, data_dir: str | None = None) -> CategoricalPolicy:
@@ -72,11 +74,13 @@ def main(iterations: int = 40, data_dir: str | None = None) -> CategoricalPolicy
         policy, net, DataLoader(val_ds, batch_size=2, shuffle=True), optimizer,
         lr=0.05, op_key="learnable_ops", val_loss="dice", train_loss="ce+dice",
     )  # fmt: skip
+    # MONAI's ThreadDataLoader, each batch drawn from the policy as it was 2 iterations before it is trained on
+    history = PolicyHistory(policy)
     trainer = SupervisedTrainer(
         device=torch.device("cpu"), max_epochs=1, epoch_length=iterations,
-        train_data_loader=DataLoader(train_ds, batch_size=2, shuffle=True, num_workers=0),
+        train_data_loader=LockstepThreadDataLoader(train_ds, history, batch_size=2, shuffle=True),
         network=net, optimizer=optimizer, loss_function=DiceCELoss(to_onehot_y=True, softmax=True),
-        train_handlers=[updater],
+        train_handlers=[updater, history],
     )  # fmt: skip
     trainer.run()
     for name, ops, probs in zip(policy.series_names, policy.op_names, policy.probabilities()):
