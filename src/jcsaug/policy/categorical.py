@@ -50,7 +50,8 @@ class CategoricalPolicy(nn.Module):
     a policy on the CPU: it is tiny, and a copy on a GPU would not be seen by the workers. Which
     probabilities a sample sees then depends on when its worker makes it; for runs that repeat on a busy
     machine, load through :class:`jcsaug.policy.PolicySnapshotSampler` and
-    :class:`jcsaug.policy.PolicySnapshotDataset`, which fix them when the sample's index is dispatched.
+    :class:`jcsaug.policy.PolicySnapshotDataset`, which fix them when the sample's index is dispatched (with MONAI's
+    ``ThreadDataLoader``: :class:`jcsaug.policy.LockstepThreadDataLoader`).
 
     Args:
         series_sizes: number of choices (identity included) of each series.
