@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from ignite.engine import Engine, Events
+from ignite.handlers import Checkpoint, DiskSaver
 from monai.data import CacheDataset, MetaTensor
 from monai.losses import DiceCELoss
 from monai.networks.nets import UNet
@@ -309,6 +310,39 @@ def test_a_resume_with_the_history_from_the_checkpoint_draws_as_the_uninterrupte
     with torch.no_grad():
         resumed_policy.logits[0, 1] = 4.0
     assert _seen_in_a_plain_loop(resumed_policy, fresh, 4, 8)[:3] == [4.0, 4.0, 4.0]
+
+
+def _ignite_epochs(folder: Path, epochs: int, state: dict | None = None) -> list[float]:
+    """Epochs of 4 iterations (the logit is the iteration after each), saving the trainer, the policy and its
+    history with Ignite's ``Checkpoint`` in ``folder`` at each epoch's end; ``state`` (a loaded one) resumes."""
+    policy = CategoricalPolicy([2])
+    history = PolicyHistory(policy)
+    loader = LockstepThreadDataLoader(_SeenLogit(policy), history, lag=3, batch_size=2)
+    seen = []
+
+    def step(engine: Engine, batch: torch.Tensor) -> None:
+        seen.append(batch[0].item())
+        with torch.no_grad():
+            policy.logits[0, 1] = float(engine.state.iteration)
+
+    trainer = Engine(step)
+    history.attach(trainer)
+    objects = {"trainer": trainer, "policy": policy, "history": history}
+    if state is not None:
+        Checkpoint.load_objects(objects, state)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, Checkpoint(objects, DiskSaver(folder, require_empty=False)))
+    trainer.run(loader, max_epochs=epochs)
+    return seen
+
+
+def test_ignites_checkpoint_saves_the_history_and_a_resume_draws_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    uninterrupted = _ignite_epochs(tmp_path / "whole", epochs=2)
+    assert uninterrupted == [0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    first_epoch = _ignite_epochs(tmp_path / "first", epochs=1)
+    (saved,) = (tmp_path / "first").glob("checkpoint_*.pt")
+    state = torch.load(saved, weights_only=True)  # torch's default since 2.6: tensors, lists and numbers only
+    # batches 5 and 6 draw from the policy after iterations 2 and 3, which only the saved history holds
+    assert first_epoch + _ignite_epochs(tmp_path / "second", epochs=2, state=state) == uninterrupted
 
 
 def test_the_history_refuses_what_would_mislead_by_name() -> None:
