@@ -241,7 +241,9 @@ class LockstepThreadDataLoader(ThreadDataLoader):
         lag: iterations between a batch's copy and the iteration that consumes it. Default: the batches the loader
             can hold ahead, ``buffer_size + 1`` (+ ``num_workers x prefetch_factor`` with workers); at least
             ``num_workers x prefetch_factor + 1`` with workers, as they ask for batches before handing one over.
-        batch_size, shuffle, sampler, batch_sampler, drop_last, generator: as for ``DataLoader``.
+        batch_size, shuffle, sampler, batch_sampler, drop_last, generator: as for ``DataLoader`` (the loader's
+            ``batch_sampler`` wraps them, so MONAI's trainer does not see a ``DistributedSampler`` given here: call
+            its ``set_epoch`` yourself).
         buffer_size, buffer_timeout, repeats, use_thread_workers, kwargs: as for ``ThreadDataLoader``.
     """
 
