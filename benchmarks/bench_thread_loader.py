@@ -29,7 +29,7 @@ import statistics
 import time
 
 import torch
-from bench_worker_counterfactuals import make_cases, pipeline
+from bench_worker_counterfactuals import add_pipeline_arguments, check_pipeline_arguments, make_cases, pipeline
 from ignite.engine import Engine
 from monai.data import DataLoader, Dataset, ThreadDataLoader
 from monai.losses import DiceCELoss
@@ -96,17 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lags", type=int, nargs="+", default=[1, 2], help="the lockstep loaders' lags")
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--patch", type=int, default=32)
-    parser.add_argument("--volume", type=int, default=48, help="case edge length (the synthetic cases: 48)")
-    parser.add_argument("--cases-per-batch", type=int, default=2)
-    parser.add_argument("--samples-per-case", type=int, default=4)
+    add_pipeline_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if min(args.lags) < 1 or args.iterations < 1 or args.repeats < 1:
         parser.error("--lags, --iterations and --repeats must be >= 1")
-    if args.volume < args.patch or args.cases_per_batch < 1 or args.samples_per_case < 1:
-        parser.error("--volume must be >= --patch; --cases-per-batch and --samples-per-case >= 1")
+    check_pipeline_arguments(parser, args)
     torch.set_num_threads(args.threads)
     cases = make_cases(args.volume, args.cases_per_batch * (args.iterations + 1), args.seed)
     kinds = ["DataLoader", "ThreadDataLoader", *(f"lockstep, lag {lag}" for lag in args.lags)]

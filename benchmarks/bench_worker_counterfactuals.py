@@ -61,6 +61,19 @@ def pipeline(patch: int, samples: int, counterfactuals: int) -> Compose:
     return Compose([ContextCropd(crop, context), ClassGroupd("label"), cascade])
 
 
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """The worker pipeline's sizes (``make_cases`` and ``pipeline``), shared with ``bench_thread_loader.py``."""
+    parser.add_argument("--patch", type=int, default=32)
+    parser.add_argument("--volume", type=int, default=48, help="case edge length (the synthetic cases: 48)")
+    parser.add_argument("--cases-per-batch", type=int, default=2)
+    parser.add_argument("--samples-per-case", type=int, default=4)
+
+
+def check_pipeline_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.volume < args.patch or args.cases_per_batch < 1 or args.samples_per_case < 1:
+        parser.error("--volume must be >= --patch; --cases-per-batch and --samples-per-case >= 1")
+
+
 def loader(cases: list[dict], args: argparse.Namespace, k: int, update_every: int | None) -> DataLoader:
     """The arm's DataLoader over the same cases; ``update_every`` None: copies on every batch."""
     dataset = Dataset(cases, transform=pipeline(args.patch, args.samples_per_case, k))
@@ -108,10 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--counterfactuals", type=int, nargs="+", default=[2, 4], help="K, copies per sample")
     parser.add_argument("--update-every", type=int, nargs="+", default=[2, 10], help="N, iterations per TRA update")
-    parser.add_argument("--patch", type=int, default=32)
-    parser.add_argument("--volume", type=int, default=48, help="case edge length (the synthetic cases: 48)")
-    parser.add_argument("--cases-per-batch", type=int, default=2)
-    parser.add_argument("--samples-per-case", type=int, default=4)
+    add_pipeline_arguments(parser)
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
@@ -119,8 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if min(args.counterfactuals) < 1 or min(args.update_every) < 1 or args.batches < 1 or args.repeats < 1:
         parser.error("--counterfactuals, --update-every, --batches and --repeats must be >= 1")
-    if args.volume < args.patch or args.cases_per_batch < 1 or args.samples_per_case < 1:
-        parser.error("--volume must be >= --patch; --cases-per-batch and --samples-per-case >= 1")
+    check_pipeline_arguments(parser, args)
     torch.set_num_threads(args.threads)
     rows = [bench(args, k, n) for k in args.counterfactuals for n in args.update_every]
     print("K  update every  every batch ms  update batches ms  ratio  batch MB: every  update batches (mean)")
