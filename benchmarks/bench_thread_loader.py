@@ -1,6 +1,6 @@
 """What lockstep costs a thread loader: MONAI's ``ThreadDataLoader`` against ``LockstepThreadDataLoader``.
 
-Command (from the repository root; about 40 s on 2 cores)::
+Command (from the repository root; about 20 s on 2 quiet cores)::
 
     python benchmarks/bench_thread_loader.py
     # defaults: --lags 1 2 --iterations 12 --repeats 3 --patch 32 --volume 48 --cases-per-batch 2
