@@ -219,6 +219,8 @@ class LockstepThreadDataLoader(ThreadDataLoader):
     Each batch it makes must be consumed, in order (Ignite does; so does a ``for`` loop over it). The buffer
     thread waits when it gets ``lag`` batches ahead; a smaller lag is more up to date and overlaps less work.
     An error on the buffer thread is raised on the loop's (MONAI's prints it from the thread and ends the epoch early).
+    Transforms on the buffer thread should draw from their own seeded state (MONAI's ``Randomizable`` ones and
+    jcsaug's do), not from torch's global generator, which the loop's thread draws from at its own pace.
 
     >>> import torch
     >>> from ignite.engine import Engine
