@@ -71,6 +71,7 @@ def run_arm(kind: str, cases: list[dict], args: argparse.Namespace) -> tuple[flo
     loss = DiceCELoss(to_onehot_y=True, softmax=True)
     started: list[float] = []
     ops: list[torch.Tensor] = []
+    nudge = 0.01 * torch.randn(policy.logits.shape, generator=torch.Generator().manual_seed(1))
 
     def step(engine: Engine, batch: dict) -> None:
         if engine.state.iteration == 2:
@@ -80,7 +81,7 @@ def run_arm(kind: str, cases: list[dict], args: argparse.Namespace) -> tuple[flo
         loss(net(batch["image"]), batch["label"]).backward()
         optimizer.step()
         with torch.no_grad():  # as a policy update would
-            policy.logits.add_(0.01 * torch.randn(policy.logits.shape, generator=torch.Generator().manual_seed(1)))
+            policy.logits.add_(nudge)
 
     trainer = Engine(step)
     if history is not None:

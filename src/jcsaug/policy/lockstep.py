@@ -69,7 +69,7 @@ class PolicyHistory:
     @property
     def latest(self) -> int | None:
         """The last iteration published, ``None`` before the first."""
-        with self._changed:
+        with self._changed:  # reentrant (the condition's default lock): the methods below read it holding it
             return self._copies[-1][0] if self._copies else None
 
     def attach(self, engine: Engine) -> None:
@@ -95,7 +95,7 @@ class PolicyHistory:
         """Copy the policies' logits as they are after ``iteration`` iterations. Publishing the last iteration again
         keeps its first copy; an earlier one is refused (a new run calls :meth:`start` first)."""
         with self._changed:
-            latest = self._copies[-1][0] if self._copies else None
+            latest = self.latest
             if latest is not None and iteration <= latest:
                 if iteration < latest:
                     raise ValueError(
@@ -125,7 +125,7 @@ class PolicyHistory:
         """The copy after ``iteration`` iterations; before the oldest, the oldest. Waits (on a thread other than the
         loop's) until the loop publishes it, or returns the last copy once the history is closed or ``stop`` set."""
         with self._changed:
-            while not self._copies or iteration > self._copies[-1][0]:
+            while self.latest is None or iteration > self.latest:
                 if self._closed or (stop is not None and stop.is_set()):
                     if not self._copies:
                         raise RuntimeError("PolicyHistory: closed before any iteration was published")
@@ -133,7 +133,7 @@ class PolicyHistory:
                 if threading.get_ident() == self._publisher:
                     raise RuntimeError(
                         f"PolicyHistory: a batch needs the policies after iteration {iteration}, but the last "
-                        f"published is {self._copies[-1][0] if self._copies else None} and the loop's own thread "
+                        f"published is {self.latest} and the loop's own thread "
                         "would wait for them: raise the loader's lag"
                     )
                 self._changed.wait()
