@@ -33,17 +33,30 @@ from jcsaug.policy import (
 
 
 class _SeenLogit(Dataset):
-    """Items are the logit the policy's draws would see (the copy sent with the index), after a delay."""
+    """Items are the logit the policy's draws would see (the copy sent with the index)."""
 
-    def __init__(self, policy: CategoricalPolicy, delay: float = 0.0, size: int = 8) -> None:
-        self.policy, self.delay, self.size = policy, delay, size
+    def __init__(self, policy: CategoricalPolicy, size: int = 8) -> None:
+        self.policy, self.size = policy, size
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> float:
-        time.sleep(self.delay)
         return float(self.policy.sampling_logits()[0, 1])
+
+
+class _Delayed(Dataset):
+    """``dataset``'s items after a delay."""
+
+    def __init__(self, dataset: Dataset, delay: float) -> None:
+        self.dataset, self.delay = dataset, delay
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> object:
+        time.sleep(self.delay)
+        return self.dataset[index]
 
 
 def _returns_within(seconds: float, work: Callable[[], object]) -> None:
@@ -90,7 +103,11 @@ def test_each_batch_draws_from_the_policies_lag_iterations_before_it_whichever_s
     for step_delay, data_delay in [(0.03, 0.0), (0.0, 0.01)]:  # a slow loop (the thread waits), slow data
         policy = CategoricalPolicy([2])
         loader = LockstepThreadDataLoader(
-            _SeenLogit(policy, data_delay), PolicyHistory(policy), lag=lag, batch_size=2, buffer_size=buffer_size
+            _Delayed(_SeenLogit(policy), data_delay),
+            PolicyHistory(policy),
+            lag=lag,
+            batch_size=2,
+            buffer_size=buffer_size,
         )
         runs.append(_run(loader, policy, step_delay))
     lag = buffer_size + 1 if lag is None else lag
@@ -117,20 +134,6 @@ def test_with_workers_the_default_lag_covers_their_prefetch_and_a_smaller_one_is
         LockstepThreadDataLoader(_SeenLogit(policy), PolicyHistory(policy), lag=4, batch_size=2, num_workers=2)
     with pytest.raises(ValueError, match="lag=9 but the history keeps 8 iterations"):
         LockstepThreadDataLoader(_SeenLogit(policy), PolicyHistory(policy, keep=8), lag=9)
-
-
-class _Delayed(Dataset):
-    """``dataset``'s items after a delay."""
-
-    def __init__(self, dataset: Dataset, delay: float) -> None:
-        self.dataset, self.delay = dataset, delay
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, index: int) -> dict:
-        time.sleep(self.delay)
-        return self.dataset[index]
 
 
 def _learnable_ops(step_delay: float, data_delay: float) -> list[list[int]]:
