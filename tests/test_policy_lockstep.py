@@ -14,11 +14,12 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver
 from monai.data import CacheDataset, MetaTensor
+from monai.engines import Workflow
 from monai.losses import DiceCELoss
 from monai.networks.nets import UNet
 from monai.transforms import Compose, Flipd
 from monai.utils import set_determinism
-from torch.utils.data import Dataset, SequentialSampler
+from torch.utils.data import BatchSampler, Dataset, DistributedSampler, SequentialSampler
 
 from jcsaug.engine import TRAPolicyUpdater
 from jcsaug.policy import (
@@ -274,6 +275,44 @@ def test_an_error_on_the_buffer_thread_is_raised_on_the_loops_thread() -> None:
     loader = LockstepThreadDataLoader(_Broken(policy), PolicyHistory(policy), batch_size=2)
     with pytest.raises(KeyError, match="image: missing in item 5"):
         _returns_within(60, lambda: _run(loader, policy, 0.0))
+
+
+class _Index(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+@pytest.mark.parametrize("as_batch_sampler", [False, True])
+def test_monais_trainer_sets_the_epoch_of_a_distributed_sampler_given_to_the_loader(as_batch_sampler: bool) -> None:
+    """MONAI's Workflow sets the epoch of a DistributedSampler it finds as the loader's ``sampler``: each epoch is
+    shuffled anew, as with a DataLoader (the sampler wrapped out of sight, every epoch repeated epoch 0's order)."""
+    shards = DistributedSampler(_Index(), num_replicas=2, rank=1, shuffle=True, seed=3)
+    policy = CategoricalPolicy([2])
+    history = PolicyHistory(policy)
+    given = (
+        {"batch_sampler": BatchSampler(shards, 2, False)} if as_batch_sampler else {"sampler": shards, "batch_size": 2}
+    )
+    loader = LockstepThreadDataLoader(_Index(), history, **given)
+    assert loader.sampler is shards
+    seen: list[int] = []
+    trainer = Workflow(
+        device=torch.device("cpu"),
+        max_epochs=3,
+        data_loader=loader,
+        iteration_update=lambda engine, batch: seen.extend(batch.tolist()),
+        decollate=False,
+    )
+    history.attach(trainer)
+    trainer.run()
+    expected = []
+    for epoch in (1, 2, 3):
+        shards.set_epoch(epoch)
+        expected.append(list(shards))
+    assert [seen[:4], seen[4:8], seen[8:]] == expected
+    assert expected[0] != expected[1] != expected[2]
 
 
 def _seen_in_a_plain_loop(policy: CategoricalPolicy, history: PolicyHistory, first: int, last: int) -> list[float]:

@@ -243,9 +243,10 @@ class LockstepThreadDataLoader(ThreadDataLoader):
         lag: iterations between a batch's copy and the iteration that consumes it. Default: the batches the loader
             can hold ahead, ``buffer_size + 1`` (+ ``num_workers x prefetch_factor`` with workers); at least
             ``num_workers x prefetch_factor + 1`` with workers, as they ask for batches before handing one over.
-        batch_size, shuffle, sampler, batch_sampler, drop_last, generator: as for ``DataLoader`` (the loader's
-            ``batch_sampler`` wraps them, so MONAI's trainer does not see a ``DistributedSampler`` given here: call
-            its ``set_epoch`` yourself).
+        batch_size, shuffle, sampler, batch_sampler, drop_last, generator: as for ``DataLoader``. The loader's
+            ``sampler`` is the one its batches are drawn from (``batch_sampler.sampler`` where that is given), so
+            MONAI's trainer sets a ``DistributedSampler``'s epoch as it does for a ``DataLoader``; in a plain loop
+            or a bare Ignite ``Engine``, call its ``set_epoch`` yourself, as with any ``DataLoader``.
         buffer_size, buffer_timeout, repeats, use_thread_workers, kwargs: as for ``ThreadDataLoader``.
     """
 
@@ -296,6 +297,9 @@ class LockstepThreadDataLoader(ThreadDataLoader):
             batch_sampler=self.lockstep,
             **kwargs,
         )
+        # DataLoader refuses `sampler` beside `batch_sampler` and then names a default one; with a batch sampler it
+        # never reads it. MONAI's Workflow reads it to set a DistributedSampler's epoch, so it names the real one.
+        object.__setattr__(self, "sampler", getattr(batch_sampler, "sampler", self.sampler))
 
     def __iter__(self) -> Iterator[Any]:
         stop = self.lockstep.stop = threading.Event()  # this iteration's: read when its first batch is asked for
