@@ -9,8 +9,9 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from monai.engines import Workflow
 from monai.transforms import Flipd
-from torch.utils.data import DistributedSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
 from jcsaug.policy import (
     CategoricalPolicy,
@@ -84,6 +85,42 @@ def test_the_sampler_passes_the_epoch_on_to_a_distributed_sampler() -> None:
     sampler.set_epoch(3)
     assert [i.index for i in sampler] == order(3) != order(0)
     PolicySnapshotSampler(range(2), CategoricalPolicy([2])).set_epoch(1)  # no set_epoch to pass on: nothing
+
+
+def _epochs_under_monais_trainer(attach: bool, epochs: int = 3) -> tuple[list[list[int]], DistributedSampler]:
+    """The indices each epoch of MONAI's Workflow consumed through a DataLoader over the snapshot wrappers."""
+    shards = DistributedSampler(range(8), num_replicas=2, rank=1, shuffle=True, seed=3)
+    policy = CategoricalPolicy([2])
+    sampler = PolicySnapshotSampler(shards, policy)
+    loader = DataLoader(PolicySnapshotDataset(list(range(8)), policy), sampler=sampler, batch_size=2)
+    seen: list[int] = []
+    trainer = Workflow(
+        device=torch.device("cpu"),
+        max_epochs=epochs,
+        data_loader=loader,
+        iteration_update=lambda engine, batch: seen.extend(batch.tolist()),
+        decollate=False,
+        handlers=[sampler] if attach else None,
+    )
+    trainer.run()
+    return [seen[4 * e : 4 * e + 4] for e in range(epochs)], shards
+
+
+def test_attached_to_monais_trainer_the_sampler_gives_a_distributed_sampler_each_epoch() -> None:
+    consumed, shards = _epochs_under_monais_trainer(attach=True)
+    expected = []
+    for epoch in (1, 2, 3):
+        shards.set_epoch(epoch)
+        expected.append(list(shards))
+    assert consumed == expected
+    assert expected[0] != expected[1] != expected[2]
+
+
+def test_unattached_a_distributed_sampler_repeating_its_epoch_is_warned_of() -> None:
+    """MONAI's trainer sees the wrapper, not the DistributedSampler: the order repeats, which is said by name."""
+    with pytest.warns(RuntimeWarning, match=r"iterated again at epoch 0.*attach the PolicySnapshotSampler"):
+        consumed, _ = _epochs_under_monais_trainer(attach=False)
+    assert consumed[0] == consumed[1] == consumed[2]
 
 
 def test_the_samplers_length_is_the_wrapped_ones_and_a_stream_without_one_is_named() -> None:

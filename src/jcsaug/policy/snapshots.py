@@ -25,11 +25,13 @@ Use both, with the same policies (they may wrap a :class:`jcsaug.engine.Counterf
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from torch.utils.data import Dataset, Sampler
+from ignite.engine import Engine, Events
+from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from jcsaug.policy.categorical import CategoricalPolicy, sampling_from
 from jcsaug.utils import wrapped_len
@@ -54,6 +56,10 @@ class PolicySnapshotSampler(Sampler):
     """Yield a :class:`SnapshotIndex` for each index of ``sampler``: the index and a copy of ``policies``' logits
     taken when the DataLoader asks for it (at dispatch).
 
+    A ``DistributedSampler`` wrapped here is out of MONAI's trainer's sight (it sets the epoch only of one it finds
+    as the loader's ``sampler``): :meth:`attach` this sampler to the engine (e.g. in ``train_handlers``) or call
+    :meth:`set_epoch` before each epoch, else every epoch repeats the same order (warned at the second).
+
     Args:
         sampler: the indices, e.g. ``RandomSampler(dataset)`` (as ``DataLoader(shuffle=True)`` draws them), a
             ``DistributedSampler`` or a :class:`jcsaug.engine.CounterfactualSampler`. ``set_epoch`` is passed on.
@@ -63,8 +69,15 @@ class PolicySnapshotSampler(Sampler):
     def __init__(self, sampler: Iterable, policies: CategoricalPolicy | Sequence[CategoricalPolicy]) -> None:
         self.sampler = sampler
         self.policies = _as_policies(policies, type(self).__name__)
+        self._shuffled_at: int | None = None  # the wrapped DistributedSampler's epoch when last iterated
+
+    def attach(self, engine: Engine) -> None:
+        """Give the wrapped sampler the engine's epoch when each epoch starts, as MONAI's trainer gives it to a
+        ``DistributedSampler`` it sees."""
+        engine.add_event_handler(Events.EPOCH_STARTED, lambda e: self.set_epoch(e.state.epoch))
 
     def __iter__(self) -> Iterator[SnapshotIndex]:
+        self._check_epoch_moved()
         for index in self.sampler:
             # per index, not per batch: a batch's indices are asked for in one go, so they get equal copies
             yield SnapshotIndex(index, tuple(policy.snapshot() for policy in self.policies))
@@ -76,6 +89,22 @@ class PolicySnapshotSampler(Sampler):
         """Passed on to the wrapped sampler if it has one (a ``DistributedSampler`` shuffles by its epoch)."""
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
+
+    def _check_epoch_moved(self) -> None:
+        """Warn when a shuffling ``DistributedSampler`` is iterated again at the same epoch: nothing set it."""
+        sampler = self.sampler
+        if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
+            return
+        if self._shuffled_at == sampler.epoch:
+            warnings.warn(
+                f"PolicySnapshotSampler: the wrapped DistributedSampler is iterated again at epoch {sampler.epoch}, "
+                "so this epoch repeats the last one's order; attach the PolicySnapshotSampler to the trainer "
+                "(MONAI's trainer sets the epoch only of a DistributedSampler it sees) or call its set_epoch "
+                "before each epoch",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._shuffled_at = sampler.epoch
 
 
 class PolicySnapshotDataset(Dataset):
