@@ -6,6 +6,7 @@ so the run is the same however late the workers make the batches."""
 from __future__ import annotations
 
 import multiprocessing
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -161,6 +162,19 @@ def test_a_wrapped_distributed_sampler_is_given_the_engines_epoch() -> None:
     assert [i for i, _ in wrapped] == order(1)
     engine.state.epoch = 2
     assert [i for i, _ in wrapped] == order(2) != order(1)
+
+
+def test_unattached_a_wrapped_distributed_sampler_repeating_its_epoch_is_warned_of() -> None:
+    from torch.utils.data import DistributedSampler
+
+    wrapped = CounterfactualSampler(DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=5), 2)
+    first = list(wrapped)
+    with pytest.warns(RuntimeWarning, match=r"CounterfactualSampler: .* again at epoch 0.*attach the Counterfac"):
+        assert list(wrapped) == first
+    wrapped.sampler.set_epoch(1)  # an epoch given by hand: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(wrapped)
 
 
 def test_the_dataset_makes_copies_as_tagged_and_passes_plain_indices_through() -> None:

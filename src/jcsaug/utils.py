@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Sized
 from pathlib import Path
 
-__all__ = ["as_flag", "atomic_write", "atomic_write_bytes", "atomic_write_text", "file_mode", "wrapped_len"]
+from torch.utils.data import DistributedSampler
+
+__all__ = [
+    "RepeatedShuffleCheck",
+    "as_flag",
+    "atomic_write",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "file_mode",
+    "wrapped_len",
+]
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0", "", "none"}
@@ -33,6 +44,30 @@ def wrapped_len(wrapped: object) -> int:
     if not isinstance(wrapped, Sized):
         raise TypeError(f"{type(wrapped).__name__} has no len()")
     return len(wrapped)
+
+
+class RepeatedShuffleCheck:
+    """Warns when a shuffling ``DistributedSampler`` inside a sampler wrapper is iterated again at the epoch of its
+    last iteration: nothing gave it the next epoch, so the order repeats. MONAI's trainer sets the epoch only of a
+    ``DistributedSampler`` it finds as the loader's ``sampler``, not of one a wrapper hides; call it with the wrapped
+    sampler at the start of each iteration over it, when the wrapper is not attached to the trainer."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._last: int | None = None
+
+    def __call__(self, sampler: object) -> None:
+        if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
+            return
+        if self._last == sampler.epoch:
+            warnings.warn(
+                f"{self.owner}: the wrapped DistributedSampler is iterated again at epoch {sampler.epoch}, so this "
+                f"epoch repeats the last one's order; attach the {self.owner} to the trainer (MONAI's trainer sets "
+                "the epoch only of a DistributedSampler it sees) or call its set_epoch before each epoch",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._last = sampler.epoch
 
 
 def file_mode() -> int:

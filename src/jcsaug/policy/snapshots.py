@@ -25,16 +25,15 @@ Use both, with the same policies (they may wrap a :class:`jcsaug.engine.Counterf
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 from ignite.engine import Engine, Events
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from jcsaug.policy.categorical import CategoricalPolicy, sampling_from
-from jcsaug.utils import wrapped_len
+from jcsaug.utils import RepeatedShuffleCheck, wrapped_len
 
 
 class SnapshotIndex(NamedTuple):
@@ -69,15 +68,18 @@ class PolicySnapshotSampler(Sampler):
     def __init__(self, sampler: Iterable, policies: CategoricalPolicy | Sequence[CategoricalPolicy]) -> None:
         self.sampler = sampler
         self.policies = _as_policies(policies, type(self).__name__)
-        self._shuffled_at: int | None = None  # the wrapped DistributedSampler's epoch when last iterated
+        self._attached = False
+        self._check_shuffle = RepeatedShuffleCheck(type(self).__name__)
 
     def attach(self, engine: Engine) -> None:
         """Give the wrapped sampler the engine's epoch when each epoch starts, as MONAI's trainer gives it to a
         ``DistributedSampler`` it sees."""
         engine.add_event_handler(Events.EPOCH_STARTED, lambda e: self.set_epoch(e.state.epoch))
+        self._attached = True
 
     def __iter__(self) -> Iterator[SnapshotIndex]:
-        self._check_epoch_moved()
+        if not self._attached:
+            self._check_shuffle(self.sampler)
         for index in self.sampler:
             # per index, not per batch: a batch's indices are asked for in one go, so they get equal copies
             yield SnapshotIndex(index, tuple(policy.snapshot() for policy in self.policies))
@@ -89,22 +91,6 @@ class PolicySnapshotSampler(Sampler):
         """Passed on to the wrapped sampler if it has one (a ``DistributedSampler`` shuffles by its epoch)."""
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
-
-    def _check_epoch_moved(self) -> None:
-        """Warn when a shuffling ``DistributedSampler`` is iterated again at the same epoch: nothing set it."""
-        sampler = self.sampler
-        if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
-            return
-        if self._shuffled_at == sampler.epoch:
-            warnings.warn(
-                f"PolicySnapshotSampler: the wrapped DistributedSampler is iterated again at epoch {sampler.epoch}, "
-                "so this epoch repeats the last one's order; attach the PolicySnapshotSampler to the trainer "
-                "(MONAI's trainer sets the epoch only of a DistributedSampler it sees) or call its set_epoch "
-                "before each epoch",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        self._shuffled_at = sampler.epoch
 
 
 class PolicySnapshotDataset(Dataset):
