@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from ignite.engine import Engine, Events
+from ignite.engine import Engine
 from torch.utils.data import Dataset, Sampler
 
 from jcsaug.policy.categorical import CategoricalPolicy, sampling_from
@@ -68,17 +68,18 @@ class PolicySnapshotSampler(Sampler):
     def __init__(self, sampler: Iterable, policies: CategoricalPolicy | Sequence[CategoricalPolicy]) -> None:
         self.sampler = sampler
         self.policies = _as_policies(policies, type(self).__name__)
-        self._attached = False
+        self.engine: Engine | None = None
         self._check_shuffle = RepeatedShuffleCheck(type(self).__name__)
 
     def attach(self, engine: Engine) -> None:
-        """Give the wrapped sampler the engine's epoch when each epoch starts, as MONAI's trainer gives it to a
-        ``DistributedSampler`` it sees."""
-        engine.add_event_handler(Events.EPOCH_STARTED, lambda e: self.set_epoch(e.state.epoch))
-        self._attached = True
+        """Give the wrapped sampler the engine's epoch when its indices start, as MONAI's trainer gives it to a
+        ``DistributedSampler`` it sees (and as :class:`jcsaug.engine.CounterfactualSampler` does)."""
+        self.engine = engine
 
     def __iter__(self) -> Iterator[SnapshotIndex]:
-        if not self._attached:
+        if self.engine is not None:
+            self.set_epoch(self.engine.state.epoch)
+        else:
             self._check_shuffle(self.sampler)
         for index in self.sampler:
             # per index, not per batch: a batch's indices are asked for in one go, so they get equal copies
