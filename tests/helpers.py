@@ -101,6 +101,15 @@ def load_benchmark(name: str) -> ModuleType:
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
+def epoch_orders(sampler, epochs) -> list[list[int]]:
+    """The indices a sampler with ``set_epoch`` (e.g. a ``DistributedSampler``) yields at each of ``epochs``."""
+    orders = []
+    for epoch in epochs:
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return orders
+
+
 def env_without_gpus(**extra: str) -> dict[str, str]:
     """This process's environment for a CPU-only child process: :data:`NO_GPUS` and ``extra`` on top."""
     return {**os.environ, **NO_GPUS, **extra}

@@ -21,6 +21,7 @@ from monai.transforms import Compose, Flipd
 from monai.utils import set_determinism
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler, SequentialSampler
 
+from helpers import epoch_orders
 from jcsaug.engine import TRAPolicyUpdater
 from jcsaug.policy import (
     CategoricalPolicy,
@@ -307,10 +308,7 @@ def test_monais_trainer_sets_the_epoch_of_a_distributed_sampler_given_to_the_loa
     )
     history.attach(trainer)
     trainer.run()
-    expected = []
-    for epoch in (1, 2, 3):
-        shards.set_epoch(epoch)
-        expected.append(list(shards))
+    expected = epoch_orders(shards, (1, 2, 3))
     assert [seen[:4], seen[4:8], seen[8:]] == expected
     assert expected[0] != expected[1] != expected[2]
 

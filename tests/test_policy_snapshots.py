@@ -13,6 +13,7 @@ from monai.engines import Workflow
 from monai.transforms import Flipd
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
+from helpers import epoch_orders
 from jcsaug.policy import (
     CategoricalPolicy,
     LearnableOneOfd,
@@ -75,15 +76,11 @@ def test_the_sampler_sends_a_copy_of_the_logits_when_each_index_is_asked_for() -
 
 
 def test_the_sampler_passes_the_epoch_on_to_a_distributed_sampler() -> None:
-    def order(epoch: int) -> list[int]:
-        reference = DistributedSampler(range(16), num_replicas=2, rank=0, shuffle=True, seed=3)
-        reference.set_epoch(epoch)
-        return list(reference)
-
+    at_3, at_0 = epoch_orders(DistributedSampler(range(16), num_replicas=2, rank=0, shuffle=True, seed=3), (3, 0))
     sampler = PolicySnapshotSampler(DistributedSampler(range(16), num_replicas=2, rank=0, shuffle=True, seed=3),
                                     [CategoricalPolicy([2])])  # fmt: skip
     sampler.set_epoch(3)
-    assert [i.index for i in sampler] == order(3) != order(0)
+    assert [i.index for i in sampler] == at_3 != at_0
     PolicySnapshotSampler(range(2), CategoricalPolicy([2])).set_epoch(1)  # no set_epoch to pass on: nothing
 
 
@@ -108,18 +105,16 @@ def _epochs_under_monais_trainer(attach: bool, epochs: int = 3) -> tuple[list[li
 
 def test_attached_to_monais_trainer_the_sampler_gives_a_distributed_sampler_each_epoch() -> None:
     consumed, shards = _epochs_under_monais_trainer(attach=True)
-    expected = []
-    for epoch in (1, 2, 3):
-        shards.set_epoch(epoch)
-        expected.append(list(shards))
+    expected = epoch_orders(shards, (1, 2, 3))
     assert consumed == expected
     assert expected[0] != expected[1] != expected[2]
 
 
 def test_unattached_a_distributed_sampler_repeating_its_epoch_is_warned_of() -> None:
     """MONAI's trainer sees the wrapper, not the DistributedSampler: the order repeats, which is said by name."""
-    with pytest.warns(RuntimeWarning, match=r"iterated again at epoch 0.*attach the PolicySnapshotSampler"):
+    with pytest.warns(RuntimeWarning, match=r"iterated again at epoch 0.*attach the PolicySnapshotSampler") as seen:
         consumed, _ = _epochs_under_monais_trainer(attach=False)
+    assert {w.filename for w in seen} == {__file__}  # at the trainer.run() line, not inside MONAI, Ignite or torch
     assert consumed[0] == consumed[1] == consumed[2]
 
 

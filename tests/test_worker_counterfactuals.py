@@ -151,17 +151,15 @@ def test_a_wrapped_distributed_sampler_is_given_the_engines_epoch() -> None:
     the counterfactual sampler sets it on the sampler it wraps (multi_gpu_train.yaml)."""
     from torch.utils.data import DistributedSampler
 
-    def order(epoch: int) -> list[int]:
-        reference = DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=5)
-        reference.set_epoch(epoch)
-        return list(reference)
+    from helpers import epoch_orders
 
+    at_1, at_2 = epoch_orders(DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=5), (1, 2))
     wrapped = CounterfactualSampler(DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=5), 2)
     engine = SimpleNamespace(state=SimpleNamespace(iteration=0, epoch=1))
     wrapped.attach(engine)
-    assert [i for i, _ in wrapped] == order(1)
+    assert [i for i, _ in wrapped] == at_1
     engine.state.epoch = 2
-    assert [i for i, _ in wrapped] == order(2) != order(1)
+    assert [i for i, _ in wrapped] == at_2 != at_1
 
 
 def test_unattached_a_wrapped_distributed_sampler_repeating_its_epoch_is_warned_of() -> None:
@@ -169,8 +167,9 @@ def test_unattached_a_wrapped_distributed_sampler_repeating_its_epoch_is_warned_
 
     wrapped = CounterfactualSampler(DistributedSampler(range(16), num_replicas=2, rank=1, shuffle=True, seed=5), 2)
     first = list(wrapped)
-    with pytest.warns(RuntimeWarning, match=r"CounterfactualSampler: .* again at epoch 0.*attach the Counterfac"):
+    with pytest.warns(RuntimeWarning, match=r"CounterfactualSampler: .* again at epoch 0.*attach the") as seen:
         assert list(wrapped) == first
+    assert seen[0].filename == __file__  # shown at the caller's line, not inside jcsaug or torch
     wrapped.sampler.set_epoch(1)  # an epoch given by hand: no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Sized
 from pathlib import Path
 
+import ignite
+import monai
+import torch
 from torch.utils.data import DistributedSampler
 
 __all__ = [
@@ -46,6 +50,26 @@ def wrapped_len(wrapped: object) -> int:
     return len(wrapped)
 
 
+# The packages a loop over a loader runs through before it reaches the user's code: a warning raised while the
+# loader draws its indices is shown at the first frame outside them.
+_LIBRARY_FOLDERS = tuple(
+    str(Path(file).parent) + os.sep for file in (ignite.__file__, monai.__file__, torch.__file__, __file__)
+)
+
+
+def stacklevel_outside_libraries() -> int:
+    """The ``stacklevel`` that makes ``warnings.warn``, called by the caller of this function, point at the first
+    frame outside jcsaug, torch, MONAI and Ignite (the user's loop or ``trainer.run()``). Written by hand: Python
+    3.12's ``skip_file_prefixes`` does this, and jcsaug supports 3.10. On a thread with no such frame (a loader's
+    buffer thread), the outermost frame."""
+    frame = sys._getframe(1)  # the function that will call warnings.warn: stacklevel 1
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_FOLDERS):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 class RepeatedShuffleCheck:
     """Warns when a shuffling ``DistributedSampler`` inside a sampler wrapper is iterated again at the epoch of its
     last iteration: nothing gave it the next epoch, so the order repeats. MONAI's trainer sets the epoch only of a
@@ -65,7 +89,7 @@ class RepeatedShuffleCheck:
                 f"epoch repeats the last one's order; attach the {self.owner} to the trainer (MONAI's trainer sets "
                 "the epoch only of a DistributedSampler it sees) or call its set_epoch before each epoch",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=stacklevel_outside_libraries(),
             )
         self._last = sampler.epoch
 
