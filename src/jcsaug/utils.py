@@ -8,14 +8,18 @@ import tempfile
 import warnings
 from collections.abc import Callable, Sized
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ignite
 import monai
 import torch
 from torch.utils.data import DistributedSampler
 
+if TYPE_CHECKING:
+    from ignite.engine import Engine
+
 __all__ = [
-    "RepeatedShuffleCheck",
+    "WrappedSamplerEpoch",
     "as_flag",
     "atomic_write",
     "atomic_write_bytes",
@@ -70,17 +74,23 @@ def stacklevel_outside_libraries() -> int:
     return level
 
 
-class RepeatedShuffleCheck:
-    """Warns when a shuffling ``DistributedSampler`` inside a sampler wrapper is iterated again at the epoch of its
-    last iteration: nothing gave it the next epoch, so the order repeats. MONAI's trainer sets the epoch only of a
-    ``DistributedSampler`` it finds as the loader's ``sampler``, not of one a wrapper hides; call it with the wrapped
-    sampler at the start of each iteration over it, when the wrapper is not attached to the trainer."""
+class WrappedSamplerEpoch:
+    """The epoch of a sampler inside a sampler wrapper, called with it at the start of each iteration over it.
+
+    MONAI's trainer sets the epoch only of a ``DistributedSampler`` it finds as the loader's ``sampler``, not of one a
+    wrapper hides. Attached to an engine, the wrapper passes the engine's epoch on (to a sampler with ``set_epoch``).
+    Not attached, a shuffling ``DistributedSampler`` iterated again at the epoch of its last iteration is warned of:
+    nothing gave it the next epoch, so the order repeats."""
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self._last: int | None = None
 
-    def __call__(self, sampler: object) -> None:
+    def __call__(self, sampler: object, engine: Engine | None) -> None:
+        if engine is not None:
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(engine.state.epoch)
+            return
         if not isinstance(sampler, DistributedSampler) or not sampler.shuffle:
             return
         if self._last == sampler.epoch:

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, Sampler
 
 from jcsaug.engine.device_augmentation import UpdateSchedule
 from jcsaug.policy.cascade import making_counterfactuals
-from jcsaug.utils import RepeatedShuffleCheck, wrapped_len
+from jcsaug.utils import WrappedSamplerEpoch, wrapped_len
 
 
 class CounterfactualSampler(Sampler):
@@ -56,18 +56,14 @@ class CounterfactualSampler(Sampler):
         self.batch_size = int(batch_size)
         self.counterfactuals_for = counterfactuals_for
         self.engine: Engine | None = None
-        self._check_shuffle = RepeatedShuffleCheck(type(self).__name__)
+        self._start_epoch = WrappedSamplerEpoch(type(self).__name__)
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine
 
     def __iter__(self) -> Iterator[tuple[Any, bool]]:
         schedule, engine = self.counterfactuals_for, self.engine
-        if engine is not None and hasattr(self.sampler, "set_epoch"):
-            # a DistributedSampler shuffles by its epoch; MONAI's trainer sets it only on a DistributedSampler it sees
-            self.sampler.set_epoch(engine.state.epoch)
-        elif engine is None:
-            self._check_shuffle(self.sampler)
+        self._start_epoch(self.sampler, engine)  # a DistributedSampler shuffles by its epoch
         if schedule is None or engine is None:
             for index in self.sampler:
                 yield index, True

@@ -33,7 +33,7 @@ from ignite.engine import Engine
 from torch.utils.data import Dataset, Sampler
 
 from jcsaug.policy.categorical import CategoricalPolicy, sampling_from
-from jcsaug.utils import RepeatedShuffleCheck, wrapped_len
+from jcsaug.utils import WrappedSamplerEpoch, wrapped_len
 
 
 class SnapshotIndex(NamedTuple):
@@ -69,7 +69,7 @@ class PolicySnapshotSampler(Sampler):
         self.sampler = sampler
         self.policies = _as_policies(policies, type(self).__name__)
         self.engine: Engine | None = None
-        self._check_shuffle = RepeatedShuffleCheck(type(self).__name__)
+        self._start_epoch = WrappedSamplerEpoch(type(self).__name__)
 
     def attach(self, engine: Engine) -> None:
         """Give the wrapped sampler the engine's epoch when its indices start, as MONAI's trainer gives it to a
@@ -77,10 +77,7 @@ class PolicySnapshotSampler(Sampler):
         self.engine = engine
 
     def __iter__(self) -> Iterator[SnapshotIndex]:
-        if self.engine is not None:
-            self.set_epoch(self.engine.state.epoch)
-        else:
-            self._check_shuffle(self.sampler)
+        self._start_epoch(self.sampler, self.engine)
         for index in self.sampler:
             # per index, not per batch: a batch's indices are asked for in one go, so they get equal copies
             yield SnapshotIndex(index, tuple(policy.snapshot() for policy in self.policies))
