@@ -403,17 +403,19 @@ def test_tra_step_reaches_the_tra_updater_only(monkeypatch, tmp_path, dataset, t
     assert common["tra_step"] == "adam"  # the dataset bundles keep Adam (not measured on their tasks)
 
 
-@pytest.mark.parametrize(("tra_val_tea", "transformed"), [(None, True), ("false", False), (True, True)])
+@pytest.mark.parametrize(("tra_val_tea", "share"), [(None, 1.0), ("false", 0.0), (True, 1.0), (0.5, 0.5)])
 def test_tra_val_tea_decides_whether_the_tra_scores_tea_transformed_validation_patches(
-    monkeypatch, tmp_path, dataset, tra_val_tea, transformed
+    monkeypatch, tmp_path, dataset, tra_val_tea, share
 ):
     """Joint mode: the TRA's validation batch is transformed by the TEA policy's ops (the paper's, the default);
-    ``--tra_val_tea false`` scores it on the patches as they are; the choice is a resume setting."""
+    ``--tra_val_tea false`` scores it on the patches as they are, ``--tra_val_tea 0.5`` half its samples on
+    average; the share is a resume setting (equal to the True / False a file saved before shares holds)."""
     overrides = {} if tra_val_tea is None else {"tra_val_tea": tra_val_tea}
     updaters = _workflow(monkeypatch, tmp_path, dataset, **overrides).parser.get_parsed_content("policy_updaters")
-    assert (updaters.tra.tea_policy is updaters.tea_policy) is transformed and updaters.tea_policy is not None
-    assert (updaters.tra.tea_policy is None) is not transformed
-    assert updaters.tra.resume_settings()["val_tea"] is transformed
+    assert (updaters.tra.tea_policy is updaters.tea_policy) is (share > 0) and updaters.tea_policy is not None
+    assert (updaters.tra.tea_policy is None) is (share == 0)
+    assert updaters.tra.tea_share == (share or 1.0)
+    assert updaters.tra.resume_settings()["val_tea"] == share
 
 
 # ----------------------------------------------------------------------------------------------- every setting checked

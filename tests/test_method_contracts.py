@@ -403,6 +403,26 @@ def test_tea_transform_batch_draws_from_the_given_generator_and_moves_image_and_
     assert sum(len(xs) for xs, _ in chunks) == 6
 
 
+def test_tea_transform_batch_share_leaves_the_rest_of_the_samples_as_they_are():
+    """``share`` mixes the catalogue's identity into the policy: with every mass on the mirror, share 0.25 mirrors a
+    quarter of the samples on average and leaves the others untouched; share 1 draws exactly as without it (the
+    same generator draws, bit for bit)."""
+    tea = CategoricalPolicy([2])
+    with torch.no_grad():
+        tea.logits[0].copy_(torch.tensor([-30.0, 30.0]))  # the mirror, always
+    ops = [TEA_OPS[0], TEA_OPS[38]]
+    image = torch.arange(4000 * 8, dtype=F64).reshape(4000, 1, 8, 1, 1)
+    ((x, _),) = tea_transform_batch(image, image, tea, ops, torch.Generator().manual_seed(0), share=0.25)
+    mirrored = (x != image).flatten(1).any(1)
+    assert torch.equal(x[~mirrored], image[~mirrored]) and torch.equal(x[mirrored], image[mirrored].flip(2))
+    assert 0.22 < mirrored.double().mean() < 0.28
+    full = tea_transform_batch(image[:64], image[:64], tea, ops, torch.Generator().manual_seed(3), share=1.0)
+    plain = tea_transform_batch(image[:64], image[:64], tea, ops, torch.Generator().manual_seed(3))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(full, plain))
+    with pytest.raises(ValueError, match="identity op"):
+        tea_transform_batch(image, image, tea, [TEA_OPS[38], TEA_OPS[38]], torch.Generator(), share=0.5)
+
+
 def test_predict_by_shape_batches_equal_shapes_and_keeps_the_order():
     """Copies rotated by 90 degrees change a non-cubic patch's shape: each shape goes through the network on its
     own, and every prediction comes back in its copy's place."""

@@ -202,6 +202,20 @@ def test_a_resume_pt_from_before_the_tra_direction_was_saved_ran_with_v(tmp_path
                              updaters={"tra_updater": {"seed": 0, "direction": "beyond-training"}})  # fmt: skip
 
 
+def test_a_resume_pt_from_before_val_tea_was_a_share_saved_true_or_false(tmp_path):
+    """The TRA's ``val_tea`` was saved as True / False before it became a share: the share 1 (or 0) resumes such a
+    file, half is refused, naming both."""
+    from jcsaug.engine.resume import check_resume_matches
+
+    for saved, same in ((True, 1.0), (False, 0.0)):
+        state = {"tra_updater": {"settings": {"seed": 0, "val_tea": saved}}}
+        check_resume_matches(state, tmp_path / "resume.pt", None, None,
+                             updaters={"tra_updater": {"seed": 0, "val_tea": same}})  # fmt: skip
+        with pytest.raises(ValueError, match=rf"tra_updater\.val_tea 0\.5: that run was saved with .*val_tea {saved}"):
+            check_resume_matches(state, tmp_path / "resume.pt", None, None,
+                                 updaters={"tra_updater": {"seed": 0, "val_tea": 0.5}})  # fmt: skip
+
+
 def test_a_resume_pt_from_before_the_tra_context_ran_without_one(tmp_path):
     """Run settings saved without ``tra_context`` were a run whose patches had no context: resuming it with the
     bundles' ``auto`` is refused, naming both; ``--tra_context 0`` resumes it. A run that saved its context keeps it."""

@@ -463,3 +463,16 @@ def test_command_line_flags_are_parsed_as_booleans():
     assert [as_flag(v) for v in (False, "false", "False", "no", "0", 0, None)] == [False] * 7
     with pytest.raises(ValueError, match="'maybe'"):
         as_flag("maybe")
+
+
+def test_command_line_shares_are_parsed_as_numbers_in_zero_one():
+    """A setting that is a flag or a share (``--tra_val_tea 0.5``): true is 1, false 0, numbers and numeric strings
+    in [0, 1] themselves; anything else is an error naming the value."""
+    from jcsaug.utils import as_share
+
+    assert [as_share(v) for v in (True, "true", 1, "1", False, "no", 0, None, 0.5, "0.25")] == [
+        1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.25,
+    ]  # fmt: skip
+    for bad in ("maybe", 1.5, -0.1, float("nan"), "2"):
+        with pytest.raises(ValueError, match=repr(bad) if isinstance(bad, str) else "share"):
+            as_share(bad)

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "WrappedSamplerEpoch",
     "as_flag",
+    "as_share",
     "atomic_write",
     "atomic_write_bytes",
     "atomic_write_text",
@@ -45,6 +46,22 @@ def as_flag(value: object) -> bool:
     if value is None:
         return False
     raise ValueError(f"expected a true/false flag, got {value!r}")
+
+
+def as_share(value: object) -> float:
+    """A flag or a share as a number in ``[0, 1]``: true is 1, false 0 (as :func:`as_flag` reads them), a number or
+    a numeric string in ``[0, 1]`` itself; anything else is an error naming the value."""
+    try:
+        return float(as_flag(value))
+    except ValueError:
+        pass
+    try:
+        share = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:  # NaN fails too
+        raise ValueError(f"expected true, false or a share in [0, 1], got {value!r}")
+    return share
 
 
 def wrapped_len(wrapped: object) -> int:

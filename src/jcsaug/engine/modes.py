@@ -36,6 +36,7 @@ from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
 from jcsaug.policy.io import load_policies
 from jcsaug.registry import Registry
+from jcsaug.utils import as_share
 
 __all__ = [
     "TEA_MODES",
@@ -324,7 +325,7 @@ class AugmentationSetup:
         tra_direction: str = "validation",
         tra_poly_power: float = 0.9,
         tra_start: float = 0.0,
-        tra_val_tea: bool = True,
+        tra_val_tea: bool | float = True,
         tea_inferer: Inferer | None = None,
         tra_step: str = "adam",
         tra_meta_mode: str = "eval",
@@ -345,7 +346,8 @@ class AugmentationSetup:
         updater's (0.9: beta decays like the network's learning rate, as in the paper); ``tra_start`` its
         ``start`` (the share of the run before its first update: a warm-up). ``tra_val_tea`` (joint mode): the
         TRA's validation batch is transformed by ops of the current TEA policy, as in the paper (SPEC §5); ``False``
-        scores the TRA on the validation batch as it is (research, measured in ``benchmarks/README.md``).
+        scores the TRA on the validation batch as it is, a number in ``(0, 1)`` transforms that share of its samples
+        on average (research, measured in ``benchmarks/README.md``).
         ``tea_inferer``: how the TEA updater predicts its copies (``None``: one pass of the network; the test's
         ``SlidingWindowInferer``: as the TTA predicts, for patches larger than the training patches).
         ``tra_step``: the TRA updater's ``step_rule``, a name of :data:`~jcsaug.engine.base.POLICY_STEPS` (``"adam"``;
@@ -358,11 +360,13 @@ class AugmentationSetup:
         ``max_epochs``; see :class:`~jcsaug.engine.base.PolicyUpdater`). ``tra_pull``: the TRA updater's ``pull``
         (e-folds over the run by which its logits fade back to the preset; 0: none)."""
         tra = tea = None
+        val_tea_share = as_share(tra_val_tea)
         if self.learn_tra:
             tra = TRAPolicyUpdater(
                 self.tra_policy, model, val_loader, optimizer, lr=tra_lr, update_every=tra_update_every,
                 train_loss=train_loss, val_loss=val_loss, hypergradient=hypergradient,
-                tea_policy=self.tea_policy if self.learn_tea and tra_val_tea else None, seed=seed,
+                tea_policy=self.tea_policy if self.learn_tea and val_tea_share > 0 else None,
+                tea_share=val_tea_share or 1.0, seed=seed,
                 estimator=self.tra_estimator,
                 val_batches=val_batches, val_average=val_average, logit_budget=tra_logit_budget,
                 lookahead=tra_lookahead, direction=tra_direction, poly_power=tra_poly_power,

@@ -41,7 +41,7 @@ from jcsaug.data.checks import pair_problems
 from jcsaug.engine.resume import RESUME_FILE, check_resume_matches
 from jcsaug.evaluation.postprocessing import POSTPROCESSING_NAME, chooses_on_validation
 from jcsaug.evaluation.splits import EVALUATION_SPLITS, evaluation_file_names, evaluation_split
-from jcsaug.utils import as_flag
+from jcsaug.utils import as_flag, as_share
 
 __all__ = [
     "RUN_ARTEFACTS",
@@ -170,6 +170,15 @@ def _flag(value: Any) -> str | None:
         as_flag(value)
     except ValueError:
         return "must be true or false"
+    return None
+
+
+def _share_or_flag(value: Any) -> str | None:
+    """True, false or a share in ``[0, 1]`` (:func:`jcsaug.utils.as_share`)."""
+    try:
+        as_share(value)
+    except ValueError:
+        return "must be true, false or a number in [0, 1]"
     return None
 
 
@@ -374,7 +383,8 @@ def _validators() -> dict[str, Any]:
         "val_average": _fraction(low_open=True),
         "cache_rate": _fraction(low_open=False),
         **dict.fromkeys(("resume", "overwrite", "train_on_val", "plots"), _flag),
-        **dict.fromkeys(("tea_sliding_window", "tea_mask_out_of_view", "tea_volume_stats", "tra_val_tea"), _flag),
+        **dict.fromkeys(("tea_sliding_window", "tea_mask_out_of_view", "tea_volume_stats"), _flag),
+        "tra_val_tea": _share_or_flag,
         "keep_largest_component": _component_classes,
         "segmentation_postprocessing": _optional_transforms,
         "tra_mode": _one_of(TRA_MODES),

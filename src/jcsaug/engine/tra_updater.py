@@ -80,13 +80,22 @@ def tea_transform_batch(
     ops: Sequence,
     generator: torch.Generator,
     stats: VolumeStats | None = None,
+    share: float = 1.0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Transform each validation sample by a TEA op drawn from ``tea_policy`` (image and label together).
 
     The ops of all samples run batched on the batch's device (:func:`jcsaug.ops.tea.apply_tea_ops`; ``stats``: the
-    samples' volumes' intensity statistics, :func:`jcsaug.data.batch_volume_stats`). Returns ``(image, label)``
-    mini-batches of equal shapes (90-degree rotations of non-cubic patches change shapes)."""
+    samples' volumes' intensity statistics, :func:`jcsaug.data.batch_volume_stats`). ``share`` < 1 draws from the
+    policy for that share of the samples on average and leaves the rest as they are (the catalogue's identity op:
+    the policy's probabilities mixed with it). Returns ``(image, label)`` mini-batches of equal shapes (90-degree
+    rotations of non-cubic patches change shapes)."""
     probs = tea_policy.probabilities()[0][0]
+    if share < 1.0:
+        identity = next((k for k, op in enumerate(ops) if op.kind == "identity"), None)
+        if identity is None:
+            raise ValueError(f"tea_transform_batch: share={share} needs an identity op in the TEA catalogue")
+        probs = share * probs
+        probs[identity] += 1.0 - share
     drawn = torch.multinomial(probs, image.shape[0], replacement=True, generator=generator)
     chosen = [ops[k] for k in drawn.tolist()]
     images, labels = apply_tea_ops(chosen, image, "image", stats), apply_tea_ops(chosen, label, "label")
@@ -147,6 +156,8 @@ class TRAPolicyUpdater(PolicyUpdater):
             (``v <- (1 - a) v + a v_new``); 1 (default) uses this update's alone. A cheaper way to a larger
             validation sample than ``val_batches`` (no extra passes), at the price of older ``theta*``.
         tea_policy: in joint mode, the TEA policy whose ops transform the validation batch.
+        tea_share: the share of the validation samples ``tea_policy``'s ops transform, on average (1: all, as the
+            paper's joint mode; the others are scored as they are).
         tea_ops: the TEA catalogue (default :data:`jcsaug.ops.tea.TEA_OPS`).
         meta_mode: ``"eval"`` runs the extra passes with the network in eval mode (deterministic
             dropout, BatchNorm's running statistics); ``"train"`` in training mode (dropout, BatchNorm's batch
@@ -219,6 +230,7 @@ class TRAPolicyUpdater(PolicyUpdater):
         hypergradient: str = "finite-difference",
         tea_policy: CategoricalPolicy | None = None,
         tea_ops: Sequence | None = None,
+        tea_share: float = 1.0,
         op_key: str = "tra_ops",
         group_key: str = "class_group",
         image_key: str = "image",
@@ -276,7 +288,11 @@ class TRAPolicyUpdater(PolicyUpdater):
         self.val_loss = chunked_loss(val_loss)
         self.hypergradient = get_hypergradient(hypergradient)
         self.tea_policy = tea_policy
-        self._settings["val_tea"] = tea_policy is not None
+        if not 0.0 < float(tea_share) <= 1.0:
+            raise ValueError(f"TRAPolicyUpdater: tea_share must be in (0, 1], got {tea_share}")
+        self.tea_share = float(tea_share)
+        # the share of the validation samples under TEA ops (a file saved before shares stored True / False)
+        self._settings["val_tea"] = self.tea_share if tea_policy is not None else 0.0
         if tea_policy is not None and tea_ops is None:
             from jcsaug.ops.tea import TEA_OPS
 
@@ -327,7 +343,9 @@ class TRAPolicyUpdater(PolicyUpdater):
             image, label = self.prepare_batch(batch, self.device)
             if self.tea_policy is not None:
                 stats = batch_volume_stats(batch, self.image_key)
-                chunks = tea_transform_batch(image, label, self.tea_policy, self.tea_ops, self.generator, stats)
+                chunks = tea_transform_batch(
+                    image, label, self.tea_policy, self.tea_ops, self.generator, stats, self.tea_share
+                )
             else:
                 chunks = [(image, label)]
             loss = self._validation_loss(chunks) / self.val_batches
