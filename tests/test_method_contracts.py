@@ -611,7 +611,9 @@ def test_tra_updater_arguments_are_checked():
     chunks = _val_chunks()  # one soft Dice over both chunks, not the mean of per-sample ones
     assert torch.allclose(updater.val_loss(chunks), batch_dice_loss(chunks))
     assert not torch.allclose(updater.val_loss(chunks), torch.cat([get_loss("dice")(x, y) for x, y in chunks]).mean())
-    for bad in ({"val_batches": 0}, {"val_average": 1.5}, {"val_average": 0.0}, {"meta_mode": "test"}):
+    bad_settings = ({"val_batches": 0}, {"val_average": 1.5}, {"val_average": 0.0}, {"meta_mode": "test"},
+                    {"tea_share": 0.0}, {"tea_share": 1.5})  # fmt: skip
+    for bad in bad_settings:
         with pytest.raises(ValueError, match=next(iter(bad))):
             TRAPolicyUpdater(policy, net, [], opt, **bad)
 
