@@ -165,21 +165,22 @@ def _budget(value: Any) -> str | None:
     return "must be a finite number > 0, or None (no budget: the learning rate is used; None on the command line)"
 
 
-def _flag(value: Any) -> str | None:
-    try:
-        as_flag(value)
-    except ValueError:
-        return "must be true or false"
-    return None
+def _parsed_by(parse: Callable[[Any], Any], problem: str) -> Callable[[Any], str | None]:
+    """A value that ``parse`` accepts (``problem`` when it raises ``ValueError``)."""
+
+    def check(value: Any) -> str | None:
+        try:
+            parse(value)
+        except ValueError:
+            return problem
+        return None
+
+    return check
 
 
-def _share_or_flag(value: Any) -> str | None:
-    """True, false or a share in ``[0, 1]`` (:func:`jcsaug.utils.as_share`)."""
-    try:
-        as_share(value)
-    except ValueError:
-        return "must be true, false or a number in [0, 1]"
-    return None
+_flag = _parsed_by(as_flag, "must be true or false")
+#: true, false or a share in ``[0, 1]``
+_share_or_flag = _parsed_by(as_share, "must be true, false or a number in [0, 1]")
 
 
 def _component_classes(value: Any) -> str | None:
