@@ -217,6 +217,31 @@ def test_ranks_are_reported_for_every_mode_that_learns_its_tea_and_probabilities
     assert "heuristic+learned-tea: TEA rotate_frontal_acw_90 rank 1" in labels
 
 
+def test_a_probability_just_below_the_target_never_reads_as_the_target(bench):
+    """A mean of 0.2996 judged a MISS of ">= 0.3" reads "0.299", not "0.30"; every other figure keeps two decimals."""
+    assert bench.probability_against(0.2996, 0.3) == "0.299"
+    assert bench.probability_against(0.297, 0.3) == "0.297"
+    assert bench.probability_against(0.3, 0.3) == bench.probability_against(0.3004, 0.3) == "0.30"
+    assert bench.probability_against(0.294, 0.3) == "0.29" and bench.probability_against(0.02, 0.3) == "0.02"
+    undone_by = shift_undoing_ops(TARGET_SHIFTS["default"])
+    tra = make_tra_policy("nnunet", num_groups=2)
+    probs = [p.numpy().copy() for p in tra.probabilities()]
+    series = tra.series_names.index("rotate_frontal")
+    rot = tra.op_names[series].index("rot90")
+    probs[series][:, 0] += probs[series][:, rot] - 0.2996  # the quarter turn at 0.2996 in both groups
+    probs[series][:, rot] = 0.2996
+    tra.set_probabilities(probs)
+    policies = json.loads(json.dumps(policies_to_dict(tra, make_tea_policy())))
+    modes = ["heuristic+mirror", "class-specific+joint"]
+    results = {(m, seed): {"policies": policies} for m in modes for seed in (0, 1)}
+
+    _, checks = bench.undoing_op_report(modes, results, [0, 1], undone_by, 8, tra_gain=14.0, oracle_gain=14.0)
+
+    by_text = {t.text: t.met for t in checks}
+    assert by_text["class-specific+joint: TRA rotate_frontal/rot90 >= 0.3 in every group (mean over seeds: "
+                   "0.299 / 0.299)"] is False  # fmt: skip
+
+
 def test_a_random_sign_op_is_judged_by_its_half_in_a_split_signs_run_and_not_at_all_with_spec(bench):
     """The zoom's magnifying half at 0.5 / 0.4 (its shrinking half 0): a target met in a ``split-signs`` run; in a
     ``spec`` run the signed op is reported without a target (half its draws shrink)."""
