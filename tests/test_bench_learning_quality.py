@@ -218,11 +218,15 @@ def test_ranks_are_reported_for_every_mode_that_learns_its_tea_and_probabilities
 
 
 def test_a_probability_just_below_the_target_never_reads_as_the_target(bench):
-    """A mean of 0.2996 judged a MISS of ">= 0.3" reads "0.299", not "0.30"; every other figure keeps two decimals."""
-    assert bench.probability_against(0.2996, 0.3) == "0.299"
-    assert bench.probability_against(0.297, 0.3) == "0.297"
-    assert bench.probability_against(0.3, 0.3) == bench.probability_against(0.3004, 0.3) == "0.30"
-    assert bench.probability_against(0.294, 0.3) == "0.29" and bench.probability_against(0.02, 0.3) == "0.02"
+    """A mean of 0.2996 judged a MISS of ">= 0.3" reads "0.299", not "0.30" (a gain of 5.96 "+5.96", not "+6.0");
+    every other figure keeps its decimals."""
+    assert bench.figure_against(0.2996, 0.3) == "0.299"
+    assert bench.figure_against(0.297, 0.3) == "0.297"
+    assert bench.figure_against(0.3, 0.3) == bench.figure_against(0.3004, 0.3) == "0.30"
+    assert bench.figure_against(0.294, 0.3) == "0.29" and bench.figure_against(0.02, 0.3) == "0.02"
+    # the Dice targets' gains, signed to one decimal
+    assert bench.figure_against(5.96, 6, 1, "+") == "+5.96" and bench.figure_against(3.99, 4, 1, "+") == "+3.99"
+    assert bench.figure_against(6.04, 6, 1, "+") == "+6.0" and bench.figure_against(-1.44, 6, 1, "+") == "-1.4"
     undone_by = shift_undoing_ops(TARGET_SHIFTS["default"])
     tra = make_tra_policy("nnunet", num_groups=2)
     probs = [p.numpy().copy() for p in tra.probabilities()]
