@@ -518,11 +518,13 @@ def target_lines(checks: list[Target], oracle_gain: float | None, tra_gain: floa
     ``N/A`` per :class:`Target`."""
     lines = []
     if oracle_gain is not None and oracle_gain < MIN_ORACLE_GAIN:
-        lines += [f"The oracle gains {oracle_gain:+.1f} Dice points on this shift (< {MIN_ORACLE_GAIN:g}): setting the "
+        lines += [f"The oracle gains {figure_against(oracle_gain, MIN_ORACLE_GAIN, 1, '+')} Dice points on this shift "
+                  f"(< {MIN_ORACLE_GAIN:g}): setting the "
                   "ops that undo it by hand is worth nothing here, so the targets do not apply; read whether the "
                   "learned runs stay level with the heuristic.", ""]  # fmt: skip
     elif tra_gain is not None and tra_gain < MIN_ORACLE_GAIN:
-        lines += [f"The TRA's oracle gains {tra_gain:+.1f} Dice points (< {MIN_ORACLE_GAIN:g}; the best oracle "
+        lines += [f"The TRA's oracle gains {figure_against(tra_gain, MIN_ORACLE_GAIN, 1, '+')} Dice points "
+                  f"(< {MIN_ORACLE_GAIN:g}; the best oracle "
                   f"{oracle_gain:+.1f}): no TRA set by hand undoes this shift, so the TRA-only targets do not apply.",
                   ""]  # fmt: skip
     return lines + [f"- {verdict(t.met, t.oracle_gain)} {t.text}" for t in checks]

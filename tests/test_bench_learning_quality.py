@@ -227,6 +227,11 @@ def test_a_probability_just_below_the_target_never_reads_as_the_target(bench):
     # the Dice targets' gains, signed to one decimal
     assert bench.figure_against(5.96, 6, 1, "+") == "+5.96" and bench.figure_against(3.99, 4, 1, "+") == "+3.99"
     assert bench.figure_against(6.04, 6, 1, "+") == "+6.0" and bench.figure_against(-1.44, 6, 1, "+") == "-1.4"
+    # an oracle's gain just under the bound that makes the targets not apply
+    note = bench.target_lines([], 0.96, None)[0]
+    assert note.startswith("The oracle gains +0.96 Dice points on this shift (< 1)")
+    note = bench.target_lines([], 5.0, 0.96)[0]
+    assert note.startswith("The TRA's oracle gains +0.96 Dice points (< 1; the best oracle +5.0)")
     undone_by = shift_undoing_ops(TARGET_SHIFTS["default"])
     tra = make_tra_policy("nnunet", num_groups=2)
     probs = [p.numpy().copy() for p in tra.probabilities()]
