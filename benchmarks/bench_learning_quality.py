@@ -480,8 +480,10 @@ def figure_against(value: float, bound: float, decimals: int = 2, sign: str = ""
     "+5.96", not "+6.0" beside a MISS of ">= 6"."""
     text = f"{value:{sign}.{decimals}f}"
     if value < bound <= float(text):
-        scale = 10 ** (decimals + 1)
-        text = f"{math.floor(value * scale) / scale:{sign}.{decimals + 1}f}"
+        text = f"{value:{sign}.{decimals + 1}f}"  # 5.9599999 (a mean of float differences) reads "5.96"
+        if bound <= float(text):  # still at the bound (5.9996): truncated
+            scale = 10 ** (decimals + 1)
+            text = f"{math.floor(value * scale) / scale:{sign}.{decimals + 1}f}"
     return text
 
 

@@ -227,6 +227,8 @@ def test_a_probability_just_below_the_target_never_reads_as_the_target(bench):
     # the Dice targets' gains, signed to one decimal
     assert bench.figure_against(5.96, 6, 1, "+") == "+5.96" and bench.figure_against(3.99, 4, 1, "+") == "+3.99"
     assert bench.figure_against(6.04, 6, 1, "+") == "+6.0" and bench.figure_against(-1.44, 6, 1, "+") == "-1.4"
+    # a mean of float differences a hair under its two decimals (69.96 - 64 = 5.9599...) is not truncated a step down
+    assert bench.figure_against(69.96 - 64, 6, 1, "+") == "+5.96" and bench.figure_against(0.3 - 1e-12, 0.3) == "0.299"
     # an oracle's gain just under the bound that makes the targets not apply
     note = bench.target_lines([], 0.96, None)[0]
     assert note.startswith("The oracle gains +0.96 Dice points on this shift (< 1)")

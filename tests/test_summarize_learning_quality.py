@@ -76,6 +76,21 @@ def test_one_row_per_record_in_the_order_given(summary, tmp_path, capsys):
     ]
 
 
+def test_a_lead_or_oracle_gain_just_under_its_bound_does_not_round_up_to_it(summary, tmp_path, capsys):
+    """The table prints the judged figures as the benchmark's targets do: a lead of +5.96 is not a "+6.0" under the
+    header's "≥ +6" (nor +3.96 a "+4.0"), an oracle gain of 0.96 is not a "+1.0" beside its "N/A" verdicts."""
+    with_tta = write(tmp_path / "a" / "learning_quality_default.json", record(
+        "default", [], [69.96] * 3, {"joint - heuristic+mirror +5.96": "MISS"}, oracle_gain=0.96))  # fmt: skip
+    without_tta = write(tmp_path / "b" / "learning_quality_default.json", record(
+        "default", [], [65.96] * 3, {"joint - heuristic+mirror +1.96": "MISS"}))  # fmt: skip
+
+    summary.main([str(with_tta), str(without_tta)])
+
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert rows[0].startswith("| default | defaults | 0–2 | +5.96 / +8.0 | +0.96 | 560 |")
+    assert rows[1].startswith("| default | defaults | 0–2 | +2.0 / +3.96 | +14.0 | 560 |")
+
+
 def test_a_record_the_benchmark_writes_is_summarized(summary, tmp_path, monkeypatch, capsys):
     """The benchmark's own record (its fakes: nnU-Net's presets as the learned policies) reaches the table."""
     bench = load_benchmark("bench_learning_quality")
