@@ -17,7 +17,9 @@ its mode's name).
 
 With ``--paired``, a second table compares settings seed by seed: each record of a shift against the first record
 of that shift given (e.g. ``OUT_defaults OUT_candidate``), the joint's test Dice differences on the seeds both hold,
-with TTA and without, their means and how many seeds gained; then the mean over every paired run. A seed whose
+with TTA and without, their means, how many seeds gained and a reading by the rule of benchmarks/README.md's paired
+comparisons ("costs": mean <= -0.5 with at most one seed gaining, "gains": >= +0.5 with two or more, else "level");
+then the mean over every paired run. A seed whose
 ``heuristic+mirror`` Dice differs between the two records by more than 0.1 is flagged (``*``): its runs were made
 on machines (or code) that do not reproduce each other, so the pair compares more than the settings.
 """
@@ -137,6 +139,22 @@ def summary_table(records: list[dict]) -> str:
 
 
 REPRODUCED = 0.1  # Dice points: a baseline run that differs more between two records was not reproduced
+#: the per-shift rule the paired comparisons of benchmarks/README.md were read by (written before their runs): a
+#: mean difference at least this far from 0 ...
+PAIRED_MARGIN = 0.5
+#: ... with at least this many seeds on its side (gaining for "gains"; for "costs" at most one seed gaining)
+PAIRED_SEEDS = 2
+
+
+def paired_reading(deltas: list[float]) -> str:
+    """``costs`` if the mean difference is <= -PAIRED_MARGIN with at most one seed gaining, ``gains`` if it is >=
+    +PAIRED_MARGIN with at least PAIRED_SEEDS seeds gaining, else ``level``."""
+    mean, gaining = statistics.mean(deltas), sum(v > 0 for v in deltas)
+    if mean <= -PAIRED_MARGIN and gaining <= 1:
+        return "costs"
+    if mean >= PAIRED_MARGIN and gaining >= PAIRED_SEEDS:
+        return "gains"
+    return "level"
 
 
 def paired_differences(record: dict, reference: dict) -> dict | None:
@@ -168,8 +186,8 @@ def paired_table(records: list[dict]) -> str:
     """Each shift's later records against its first, seed by seed; then the mean over every paired run."""
     lines = [
         "| shift | settings | against | seeds | Δ TTA per seed | Δ none per seed | mean Δ, TTA / none | seeds gaining, "
-        "TTA / none |",
-        "|---|---|---|---|---|---|---|---|",
+        "TTA / none | reading, TTA / none |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     first: dict[str, dict] = {}
     every_tta: list[float] = []
@@ -191,6 +209,7 @@ def paired_table(records: list[dict]) -> str:
             record["shift"], settings_text(record), settings_text(reference), seeds_text(seeds), ", ".join(flagged),
             ", ".join(f"{v:+.1f}" for v in none), f"{statistics.mean(tta):+.2f} / {statistics.mean(none):+.2f}",
             f"{sum(v > 0 for v in tta)} / {sum(v > 0 for v in none)} of {len(seeds)}",
+            f"{paired_reading(tta)} / {paired_reading(none)}",
         ]  # fmt: skip
         lines.append(markdown_row(cells))
     if not every_tta:
@@ -199,6 +218,10 @@ def paired_table(records: list[dict]) -> str:
         f"\nOver {len(every_tta)} paired runs: mean Δ {statistics.mean(every_tta):+.2f} with TTA, "
         f"{statistics.mean(every_none):+.2f} without ({sum(v > 0 for v in every_tta)} / "
         f"{sum(v > 0 for v in every_none)} gaining)."
+    )
+    lines.append(
+        f"Reading: `costs` where the mean Δ is ≤ −{PAIRED_MARGIN} with at most one seed gaining, `gains` "
+        f"where it is ≥ +{PAIRED_MARGIN} with at least {PAIRED_SEEDS} gaining, else `level`."
     )
     if any_unreproduced:
         lines.append(f"`*`: the seed's {JOINT} pair compares runs whose baseline differs by more than {REPRODUCED}.")

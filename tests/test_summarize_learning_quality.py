@@ -167,11 +167,22 @@ def test_paired_compares_each_shifts_records_with_its_first_seed_by_seed(summary
     paired = out[out.index("| shift | settings | against |") :].splitlines()
     # seed order of the candidate's record: 1, 2, 0 shared (3 is not in the defaults); joint none = tta - 2 in both
     assert paired[2] == ("| default | tra_lookahead=48 | defaults | 1, 2, 0 | -1.0, -2.5, +6.0 | -1.0, -2.5, +6.0 | "
-                         "+0.83 / +0.83 | 1 / 1 of 3 |")  # fmt: skip
+                         "+0.83 / +0.83 | 1 / 1 of 3 | level / level |")  # fmt: skip
     assert paired[3] == ("| gamma | tra_lookahead=48 | defaults | 0, 1 | -1.0, +2.0 | -1.0, +2.0 | +0.50 / +0.50 | "
-                         "1 / 1 of 2 |")  # fmt: skip
+                         "1 / 1 of 2 | level / level |")  # fmt: skip
     assert "Over 5 paired runs: mean Δ +0.70 with TTA, +0.70 without (2 / 2 gaining)." in out
     assert "`*`" not in out  # the same heuristic in every record
+
+
+def test_paired_reading_follows_the_rule_written_before_the_runs(summary):
+    """The rule: "costs" at a mean <= -0.5 with at most one seed gaining, "gains" at >= +0.5 with two or more."""
+    assert summary.paired_reading([-1.6, -8.5, 0.9]) == "costs"  # the shrunk scene's seeds 0-2 with TTA
+    assert summary.paired_reading([-0.5, -0.5]) == "costs"  # at the margin
+    assert summary.paired_reading([-3.0, 0.5, 0.5]) == "level"  # -0.67, but two seeds gain
+    assert summary.paired_reading([-0.4, -0.5, -0.5]) == "level"  # -0.47: inside the margin
+    assert summary.paired_reading([1.0, 1.0, -0.1]) == "gains"
+    assert summary.paired_reading([2.0, -0.5, -0.5]) == "level"  # +0.33
+    assert summary.paired_reading([3.0, -0.5, -0.5]) == "level"  # +0.67, but one seed gains
 
 
 def test_paired_flags_a_seed_whose_baseline_was_not_reproduced(summary, tmp_path, capsys):
