@@ -142,15 +142,15 @@ REPRODUCED = 0.1  # Dice points: a baseline run that differs more between two re
 #: the per-shift rule the paired comparisons of benchmarks/README.md were read by (written before their runs): a
 #: mean difference at least this far from 0 ...
 PAIRED_MARGIN = 0.5
-#: ... with at least this many seeds on its side (gaining for "gains"; for "costs" at most one seed gaining)
+#: ... with at least this many seeds gaining for "gains", fewer for "costs"
 PAIRED_SEEDS = 2
 
 
 def paired_reading(deltas: list[float]) -> str:
-    """``costs`` if the mean difference is <= -PAIRED_MARGIN with at most one seed gaining, ``gains`` if it is >=
-    +PAIRED_MARGIN with at least PAIRED_SEEDS seeds gaining, else ``level``."""
+    """``costs`` if the mean difference is <= -PAIRED_MARGIN with fewer than PAIRED_SEEDS seeds gaining, ``gains``
+    if it is >= +PAIRED_MARGIN with at least PAIRED_SEEDS gaining, else ``level``."""
     mean, gaining = statistics.mean(deltas), sum(v > 0 for v in deltas)
-    if mean <= -PAIRED_MARGIN and gaining <= 1:
+    if mean <= -PAIRED_MARGIN and gaining < PAIRED_SEEDS:
         return "costs"
     if mean >= PAIRED_MARGIN and gaining >= PAIRED_SEEDS:
         return "gains"
@@ -220,8 +220,8 @@ def paired_table(records: list[dict]) -> str:
         f"{sum(v > 0 for v in every_none)} gaining)."
     )
     lines.append(
-        f"Reading: `costs` where the mean Δ is ≤ −{PAIRED_MARGIN} with at most one seed gaining, `gains` "
-        f"where it is ≥ +{PAIRED_MARGIN} with at least {PAIRED_SEEDS} gaining, else `level`."
+        f"Reading: `costs` where the mean Δ is ≤ −{PAIRED_MARGIN} with fewer than {PAIRED_SEEDS} seeds gaining, "
+        f"`gains` where it is ≥ +{PAIRED_MARGIN} with at least {PAIRED_SEEDS} gaining, else `level`."
     )
     if any_unreproduced:
         lines.append(f"`*`: the seed's {JOINT} pair compares runs whose baseline differs by more than {REPRODUCED}.")
