@@ -19,9 +19,11 @@ and how well each ranks the ops as their pair gains do (Spearman). A Markdown ta
 ``--out``.
 
 With ``--selections``, also what the learned policy's *choice* is worth: the split's Dice of TTA with the identity and
-``--tea-z`` - 1 more ops, equal weights, the ops chosen four ways: the learned policy's top ops; every op measured on
+``--tea-z`` - 1 more ops, equal weights, the ops chosen five ways: the learned policy's top ops; every op measured on
 the validation volumes with the final network (by alone gain, and by pair gain: an exhaustive, noise-free choice
-from the data the TEA learns on); and by the split's own pair gains (a ceiling: chosen with the split's labels).
+from the data the TEA learns on; and by pair gain among the ops whose pair gain is positive only, so that when none
+helps the TTA is the plain prediction); and by the split's own pair gains (a ceiling: chosen with the split's
+labels); beside them the plain prediction's Dice (no TTA).
 
 With ``--minus-split training``, also each op's alone gain on that split's volumes (``--max-volumes``: the first N
 of each split) and ``--split``'s minus it: what the op does to the validation domain beyond what it does to the
@@ -182,7 +184,8 @@ def learned_ranks(run_dir: Path) -> dict[str, tuple[int, float]]:
 
 
 #: how ``--selections`` chooses the TTA's ops, in its table's column order
-SELECTIONS = ("learned policy", "validation alone", "validation pair", "split pair (ceiling)")
+SELECTIONS = ("no TTA", "learned policy", "validation alone", "validation pair", "validation pair > 0",
+              "split pair (ceiling)")  # fmt: skip
 
 
 def selection_row(run_dir: Path, network: torch.nn.Module, gains: dict[str, tuple[float, float]],
@@ -193,13 +196,17 @@ def selection_row(run_dir: Path, network: torch.nn.Module, gains: dict[str, tupl
     with torch.no_grad():
         on_validation = gains if validation is volumes else op_gains(network, validation, sw, num_classes, device)
         chosen = {
-            SELECTIONS[0]: top_ops({n: -r for n, (r, _) in ranks.items() if n in gains}, count) if ranks else None,
-            SELECTIONS[1]: top_ops({n: g[1] for n, g in on_validation.items()}, count),
-            SELECTIONS[2]: top_ops({n: g[0] for n, g in on_validation.items()}, count),
-            SELECTIONS[3]: top_ops({n: g[0] for n, g in gains.items()}, count),
+            SELECTIONS[0]: [],  # the identity alone: the plain prediction
+            SELECTIONS[1]: top_ops({n: -r for n, (r, _) in ranks.items() if n in gains}, count) if ranks else None,
+            SELECTIONS[2]: top_ops({n: g[1] for n, g in on_validation.items()}, count),
+            SELECTIONS[3]: top_ops({n: g[0] for n, g in on_validation.items()}, count),
+            # only ops whose pair helps on the validation volumes: none helping falls back to the plain prediction
+            SELECTIONS[4]: top_ops({n: g[0] for n, g in on_validation.items() if g[0] > 0}, count),
+            SELECTIONS[5]: top_ops({n: g[0] for n, g in gains.items()}, count),
         }
         dice = [None if names is None else selection_dice(network, volumes, sw, num_classes, device, names)
                 for names in chosen.values()]  # fmt: skip
+    print(f"  ops chosen by validation pair > 0 ({len(chosen[SELECTIONS[4]])}): {', '.join(chosen[SELECTIONS[4]])}")
     print(f"  TTA Dice, identity + {count} ops chosen by: " + ", ".join(
         f"{k} {d:.2f}" for k, d in zip(SELECTIONS, dice) if d is not None))  # fmt: skip
     return run_dir, dice

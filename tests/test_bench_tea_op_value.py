@@ -143,6 +143,11 @@ def test_selections_compare_the_learned_choice_with_exhaustive_ones(bench, tmp_p
     dice = dict(part.rsplit(" ", 1) for part in line.split("chosen by: ")[1].split(", "))
     assert list(dice) == list(bench.SELECTIONS)
     assert dice["validation pair"] == dice["split pair (ceiling)"]
+    chosen = next(x for x in printed.splitlines() if "ops chosen by validation pair > 0" in x)
+    count = int(chosen.split("(")[1].split(")")[0])
+    assert 0 <= count <= 3
+    if count == 0:  # no op's pair helps on the validation volumes: the TTA is the plain prediction
+        assert dice["validation pair > 0"] == dice["no TTA"]
     table = out.read_text().split("\n\n")[1].splitlines()
     assert table[0].count("|") == len(bench.SELECTIONS) + 2 and len(table) == 3
 
