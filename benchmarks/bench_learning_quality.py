@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -83,6 +84,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -273,13 +275,33 @@ def shift_name(shift: str | Mapping) -> str:
     return f"{CUSTOM_SHIFT}-{hashlib.sha1(canonical.encode()).hexdigest()[:8]}"
 
 
-def prepare_dataset(out: Path, shift: str | Mapping) -> tuple[Path, dict]:
-    """The synthetic dataset of ``shift`` under ``out/data_<shift_name>`` (made once) and its ``domain_shift``."""
+def default_validation_volumes() -> int:
+    """How many validation volumes the synthetic dataset has unless asked otherwise (``make_synthetic_dataset``'s
+    ``num_val``)."""
     from jcsaug.data import make_synthetic_dataset
 
+    return inspect.signature(make_synthetic_dataset).parameters["num_val"].default
+
+
+def prepare_dataset(out: Path, shift: str | Mapping, num_val: int | None = None) -> tuple[Path, dict]:
+    """The synthetic dataset of ``shift`` under ``out/data_<shift_name>`` (made once) and its ``domain_shift``.
+
+    ``num_val``: its validation volumes (default: :func:`default_validation_volumes`); the cases are seeded by split
+    and index, so the first ones and the test volumes are the same arrays whatever the count. A dataset already in
+    ``out`` with another count is refused (an ``--out`` holds one dataset per shift)."""
+    from jcsaug.data import make_synthetic_dataset
+
+    num_val = default_validation_volumes() if num_val is None else num_val
     data = out / f"data_{shift_name(shift)}"
-    json_path = make_synthetic_dataset(data, seed=0, target_shift=shift, progress=False)
-    return data, json.loads(Path(json_path).read_text())["domain_shift"]
+    with warnings.catch_warnings():  # a dataset made with other arguments: refused below, by name
+        warnings.simplefilter("ignore")
+        json_path = make_synthetic_dataset(data, seed=0, num_val=num_val, target_shift=shift, progress=False)
+    datalist = json.loads(Path(json_path).read_text())
+    found = len(datalist["validation"])
+    if found != num_val:
+        raise SystemExit(f"{data} holds a dataset with {found} validation volumes, not the {num_val} asked for "
+                         "(--num-val): give another --out")  # fmt: skip
+    return data, datalist["domain_shift"]
 
 
 def run_settings(mode: str, seed: int, data: Path, overrides: dict, device: str) -> dict:
@@ -594,12 +616,14 @@ def quality_record(
     results: dict[tuple[str, int], dict],
     checks: list[Target],
     oracle_gain: float | None,
+    num_val: int,
 ) -> dict:
     """The report's figures as data (``learning_quality_NAME.json``, read by ``summarize_learning_quality.py``):
     the shift, the settings, test Dice per mode and seed (none / TTA), the oracle's gain and each target's verdict."""
     return {
         "shift": name,
         "target_domain": dict(aspects),
+        "validation_volumes": num_val,
         "seeds": list(args.seeds),
         "device": args.device,
         "settings": list(args.set),
@@ -628,6 +652,10 @@ def main() -> None:
                         "targets (default: --set tea_z=..., else the bundle's tea_z)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_quality")
     parser.add_argument("--reuse", action="store_true", help="keep runs whose metrics.json exists")
+    parser.add_argument("--num-val", type=int, default=None,
+                        help="validation volumes of the synthetic dataset, the volumes the policies learn from "
+                        "(default: make_synthetic_dataset's, 4); the test volumes stay the same arrays; an --out of "
+                        "its own")  # fmt: skip
     parser.add_argument(
         "--validation",
         action="store_true",
@@ -649,7 +677,10 @@ def main() -> None:
     name = shift_name(args.shift)
     aspects = changed_aspects(args.shift)
     about = f"`{json.dumps(aspects)}`: {describe_shift(args.shift)}"
-    data, shift = prepare_dataset(args.out, args.shift)
+    if args.num_val is not None and args.num_val < 1:
+        parser.error(f"--num-val must be >= 1, got {args.num_val}")
+    num_val = default_validation_volumes() if args.num_val is None else args.num_val
+    data, shift = prepare_dataset(args.out, args.shift, num_val=num_val)
     undone_by = shift["undone_by"]
     common = dict(item.split("=", 1) for item in args.set)
     if args.tea_z is not None and "tea_z" in common and int(common["tea_z"]) != args.tea_z:
@@ -700,7 +731,7 @@ def main() -> None:
 
     settings = f", settings {' '.join(args.set)}" if args.set else ""
     lines = [f"## Learning quality, shift `{name}`, seeds {args.seeds}, device {args.device}{settings}", "",
-             f"Target domain {about}.", "",
+             f"Target domain {about}. Validation volumes: {num_val}.", "",
              "| mode | " + " | ".join(f"seed {s} none / TTA" for s in args.seeds)
              + " | mean none | mean TTA | Δ TTA vs baseline | share of oracle gain | s / run |",
              "|---" * (len(args.seeds) + 6) + "|"]  # fmt: skip
@@ -742,7 +773,7 @@ def main() -> None:
     print("\n" + report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"learning_quality_{name}.md").write_text(report)
-    record = quality_record(name, aspects, args, modes, results, checks, oracle_gain)
+    record = quality_record(name, aspects, args, modes, results, checks, oracle_gain, num_val)
     atomic_write_text(args.out / f"learning_quality_{name}.json", json.dumps(record, indent=1) + "\n")
     print(f"written: {args.out / f'learning_quality_{name}.md'} (and its .json, read by summarize_learning_quality.py)")
 

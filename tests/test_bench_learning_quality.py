@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import nibabel as nib
+import numpy as np
 import pytest
 import torch
 
@@ -338,7 +340,7 @@ def test_tea_z_reaches_the_runs_and_the_rank_targets(bench, tmp_path, monkeypatc
     monkeypatch.setattr(bench, "run_one", fake_run_one)
     monkeypatch.setattr(bench, "undoing_op_report", fake_report)
     no_shift = {"undone_by": {"tra": [], "tea": []}}
-    monkeypatch.setattr(bench, "prepare_dataset", lambda out, shift: (out / "data", no_shift))
+    monkeypatch.setattr(bench, "prepare_dataset", lambda out, shift, **_: (out / "data", no_shift))
     argv = ["bench", "--modes", "heuristic+mirror", "--seeds", "0", "--out", str(tmp_path)]
     monkeypatch.setattr(bench.sys, "argv", [*argv, "--tea-z", "4"])
     bench.main()
@@ -367,7 +369,7 @@ def test_a_relative_out_reaches_the_runs_as_the_folder_it_names_here(bench, tmp_
     monkeypatch.setattr(bench, "run_one", fake_run_one)
     monkeypatch.setattr(bench, "undoing_op_report", lambda *args: ([], []))
     no_shift = {"undone_by": {"tra": [], "tea": []}}
-    monkeypatch.setattr(bench, "prepare_dataset", lambda out, shift: (out / "data", no_shift))
+    monkeypatch.setattr(bench, "prepare_dataset", lambda out, shift, **_: (out / "data", no_shift))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(bench.sys, "argv", ["bench", "--modes", "heuristic+mirror", "--seeds", "0", "--out", "rel"])
     bench.main()
@@ -402,7 +404,7 @@ def test_a_json_shift_gets_its_own_dataset_runs_report_and_oracle(bench, tmp_pat
     import jcsaug.data
 
     real = jcsaug.data.make_synthetic_dataset
-    tiny = {"num_train": 1, "num_val": 1, "num_test": 1, "shape": (24, 24, 24)}
+    tiny = {"num_train": 1, "num_test": 1, "shape": (24, 24, 24)}  # (one validation volume: --num-val 1)
     monkeypatch.setattr(jcsaug.data, "make_synthetic_dataset", lambda out, **kw: real(out, **{**kw, **tiny}))
     seen = {}
 
@@ -412,7 +414,7 @@ def test_a_json_shift_gets_its_own_dataset_runs_report_and_oracle(bench, tmp_pat
 
     monkeypatch.setattr(bench, "run_one", fake_run_one)
     argv = ["bench", "--modes", "heuristic+mirror", "oracle+mirror", "heuristic+oracle-tea", "--seeds", "0", "--out",
-            str(tmp_path)]  # fmt: skip
+            str(tmp_path), "--num-val", "1"]  # fmt: skip
     monkeypatch.setattr(bench.sys, "argv", [*argv, "--shift", COMBINED])
     bench.main()
     name = bench.shift_name(json.loads(COMBINED))
@@ -428,7 +430,7 @@ def test_a_json_shift_gets_its_own_dataset_runs_report_and_oracle(bench, tmp_pat
     assert report.startswith(f"## Learning quality, shift `{name}`")
     mapping = '`{"long_axis": 1, "mirror_axis0": true, "blur": [0.8, 1.0]}`'
     described = "lesion long axis rotated from array axis 0 to 1, placement and bias field mirrored along axis 0, "
-    assert f"Target domain {mapping}: {described}Gaussian blur sigma 0.8-1 voxel." in report
+    assert f"Target domain {mapping}: {described}Gaussian blur sigma 0.8-1 voxel. Validation volumes: 1." in report
     # another mapping: another dataset and other runs (--reuse cannot mix them)
     monkeypatch.setattr(bench.sys, "argv", [*argv, "--shift", '{"long_axis": 1, "blur": [0.6, 0.8]}'])
     bench.main()
@@ -444,6 +446,42 @@ def test_a_json_shift_gets_its_own_dataset_runs_report_and_oracle(bench, tmp_pat
     with pytest.raises(SystemExit):
         bench.main()
     assert "argument --shift: target_shift 'gamma' must be" in capsys.readouterr().err
+
+
+def test_num_val_adds_validation_volumes_and_keeps_the_test_volumes(bench, tmp_path, monkeypatch, capsys):
+    """``--num-val``: the dataset's validation volumes, the first ones and the test volumes the same arrays as with
+    fewer; its count in the report and the record; an ``--out`` whose dataset has another count is refused."""
+    import jcsaug.data
+
+    assert bench.default_validation_volumes() == 4  # the synthetic bundle's dataset, every report so far
+    real = jcsaug.data.make_synthetic_dataset
+    tiny = {"num_train": 1, "num_test": 2, "shape": (24, 24, 24)}
+    monkeypatch.setattr(jcsaug.data, "make_synthetic_dataset", lambda out, **kw: real(out, **{**kw, **tiny}))
+    few, _ = bench.prepare_dataset(tmp_path / "few", "default", num_val=1)
+    more, _ = bench.prepare_dataset(tmp_path / "more", "default", num_val=3)
+    lists = [json.loads((d / "dataset.json").read_text()) for d in (few, more)]
+    assert [len(d["validation"]) for d in lists] == [1, 3] and [len(d["test"]) for d in lists] == [2, 2]
+
+    def arrays(data, entry):  # noqa: ANN001, ANN202
+        return [np.asarray(nib.load(data / entry[k]).dataobj) for k in ("image", "label")]
+
+    for split, count in (("validation", 1), ("test", 2)):
+        for a, b in zip(lists[0][split][:count], lists[1][split][:count]):
+            assert all(np.array_equal(x, y) for x, y in zip(arrays(few, a), arrays(more, b)))
+    with pytest.raises(SystemExit, match="holds a dataset with 1 validation volumes, not the 3"):
+        bench.prepare_dataset(tmp_path / "few", "default", num_val=3)
+
+    monkeypatch.setattr(bench, "run_one", lambda *args, **kw: finished_run())
+    out = tmp_path / "more"
+    monkeypatch.setattr(bench.sys, "argv", ["bench", "--modes", "heuristic+mirror", "--seeds", "0", "--out", str(out),
+                                            "--num-val", "3"])  # fmt: skip
+    bench.main()
+    assert ". Validation volumes: 3." in (out / "learning_quality_default.md").read_text()
+    assert json.loads((out / "learning_quality_default.json").read_text())["validation_volumes"] == 3
+    monkeypatch.setattr(bench.sys, "argv", ["bench", "--seeds", "0", "--out", str(out), "--num-val", "0"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--num-val must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_validation_evaluates_each_run_once_with_its_own_settings_and_reads_its_own_tta(bench, tmp_path, monkeypatch):
@@ -518,7 +556,7 @@ def test_validation_reaches_the_report_only_when_asked(bench, tmp_path, monkeypa
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "dataset.json").write_text(json.dumps({"validation": [{}, {}, {}]}))
     no_shift = {"undone_by": {"tra": [], "tea": []}}
-    monkeypatch.setattr(bench, "prepare_dataset", lambda out, shift: (out / "data", no_shift))
+    monkeypatch.setattr(bench, "prepare_dataset", lambda out, shift, **_: (out / "data", no_shift))
     argv = ["bench", "--modes", "heuristic+mirror", "class-specific+joint", "--seeds", "0", "1", "--out", str(tmp_path)]
     monkeypatch.setattr(bench.sys, "argv", argv)
     bench.main()
@@ -540,7 +578,7 @@ def test_the_record_beside_the_report_holds_its_figures_and_verdicts(bench, tmp_
 
     monkeypatch.setattr(bench, "run_one", fake_run_one)
     shift = {"undone_by": shift_undoing_ops(TARGET_SHIFTS["default"])}
-    monkeypatch.setattr(bench, "prepare_dataset", lambda out, _: (out / "data", shift))
+    monkeypatch.setattr(bench, "prepare_dataset", lambda out, _, **__: (out / "data", shift))
     argv = ["bench", "--modes", "class-specific+joint", "--seeds", "0", "1", "--out", str(tmp_path), "--set",
             "tra_counterfactuals=4"]  # fmt: skip
     monkeypatch.setattr(bench.sys, "argv", argv)

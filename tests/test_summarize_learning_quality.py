@@ -99,7 +99,7 @@ def test_a_record_the_benchmark_writes_is_summarized(summary, tmp_path, monkeypa
     monkeypatch.setattr(bench, "run_one", lambda mode, seed, *rest: {
         "none": tta[mode] - 1, "tta": tta[mode] + seed, "policies": policies, "seconds": 5.0})  # fmt: skip
     shift = {"undone_by": shift_undoing_ops(TARGET_SHIFTS["default"])}
-    monkeypatch.setattr(bench, "prepare_dataset", lambda out, _: (out / "data", shift))
+    monkeypatch.setattr(bench, "prepare_dataset", lambda out, _, **__: (out / "data", shift))
     argv = ["bench", "--modes", "class-specific+joint", "--seeds", "0", "1", "--out", str(tmp_path)]
     monkeypatch.setattr(bench.sys, "argv", argv)
     bench.main()
