@@ -167,6 +167,34 @@ def test_identity_weight_makes_the_ensemble_the_probability_weighted_mixture_of_
     assert inferers["learned"].weights[0] == pytest.approx(0.5)
 
 
+def test_equal_identity_weight_gives_the_identity_and_the_top_other_ops_one_zth_each(tmp_path):
+    """``identity_weight="equal"``: the identity (once, whatever its logit) and the ``z - 1`` other ops of highest
+    probability, 1/z each, whatever their logits: the output is the plain mean of the copies' mapped-back logits. From
+    a policy file too; a string other than ``"equal"`` is refused, naming the setting."""
+    from jcsaug.inference import EQUAL_WEIGHTS, make_tta_inferers
+
+    policy = make_tea_policy("uniform")
+    with torch.no_grad():
+        policy.logits[0] = torch.linspace(0.0, -3.0, policy.logits.shape[1])
+        policy.logits[0, 0] = -9.0  # the identity least probable: kept all the same
+        policy.logits[0, 38], policy.logits[0, 54] = 4.0, 1.0  # mirror_sagittal, shift_add_0.05
+    inferer = TEAInferer.from_policy(policy, z=3, identity_weight=EQUAL_WEIGHTS)
+    assert [op.id for op in inferer.ops] == [0, 38, 54]
+    np.testing.assert_allclose(inferer.weights, [1 / 3] * 3, rtol=1e-12)
+    x = torch.rand(1, 1, 8, 9, 10)
+    mirrored = torch.flip(_net(torch.flip(x, (2,))), (2,))
+    torch.testing.assert_close(inferer(x, _net), (_net(x) + mirrored + _net(x + 0.05)) / 3, atol=1e-5, rtol=1e-5)
+    path = save_policies(tmp_path / "policies.json", tea=policy)
+    learned = make_tta_inferers(["learned"], None, path, z=4, identity_weight="equal")["learned"]
+    assert learned.ops[0].id == 0 and len(learned.ops) == 4
+    np.testing.assert_allclose(learned.weights, [0.25] * 4, rtol=1e-12)
+    for bad in ("half", "Equal", float("nan")):
+        with pytest.raises(ValueError, match="identity_weight must be in"):
+            TEAInferer.from_policy(policy, z=3, identity_weight=bad)
+    with pytest.raises(ValueError, match="z must be >= 2"):
+        TEAInferer.from_policy(policy, z=1, identity_weight=EQUAL_WEIGHTS)
+
+
 def test_learned_plus_mirror_averages_the_learned_and_mirrored_probabilities(tmp_path):
     """``learned+mirror``: the learned TEA's top ``z`` ops and nnU-Net's 8 mirrorings, their class probabilities
     averaged 1:1 and returned as a log (so ``argmax`` and ``softmax`` downstream read it as the others); like

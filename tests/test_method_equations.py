@@ -545,7 +545,7 @@ def test_tea_hard_op_scores_score_the_ttas_argmax_segmentation(score, soft_score
     assert updater.updates == 1
 
 
-@pytest.mark.parametrize("identity_weight", [None, 0.5])
+@pytest.mark.parametrize("identity_weight", [None, 0.5, "equal"])
 def test_tea_op_score_ensemble_is_the_first_order_change_of_the_ttas_loss(identity_weight):
     """``op_score="ensemble"``: the untouched copy scores its own soft Dice loss, and op k scores that loss plus
     the derivative of the soft Dice loss of the TTA the policy stands for now (``TEAInferer.from_policy`` with the

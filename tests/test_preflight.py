@@ -116,8 +116,8 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("tra_meta_mode", "training", "must be one of eval, train"),
         ("grad_clip_norm", 0, "must be a finite number > 0, or None"),
         ("roi_threshold", "body", "must be a finite number, or None"),
-        ("tea_identity_weight", 1.0, "must be a number in (0, 1), or None"),
-        ("tea_identity_weight", "half", "must be a number in (0, 1), or None"),
+        ("tea_identity_weight", 1.0, "must be a number in (0, 1), 'equal', or None"),
+        ("tea_identity_weight", "half", "must be a number in (0, 1), 'equal', or None"),
         ("train_loss", "focal", "must be one of ce, ce+dice, dice"),
         ("val_loss", "focal", "must be one of batch-dice, ce+batch-dice, ce, ce+dice, dice"),
         ("tea_patch_size", [48, 0, 48], "must be a list of positive integers, one per spatial axis, e.g. [32, 32, 32], "
@@ -193,6 +193,7 @@ def test_settings_that_do_not_go_together_are_refused(settings, expected):
         {"tra_mode": "heuristic", "tra_estimator": "gumbel", "tra_step": "natural"},  # no TRA is learned
         {"tea_z": 1, "tea_identity_weight": None},
         {"tea_z": 2, "tea_identity_weight": 0.5},
+        {"tea_z": 8, "tea_identity_weight": "equal"},
     ],
 )
 def test_the_same_values_pass_where_they_are_not_used(settings):

@@ -32,6 +32,7 @@ from torch import nn
 from jcsaug.engine.posthoc import learn_tea_posthoc
 from jcsaug.engine.tea_updater import TEA_ESTIMATORS, TEA_OP_SCORES, TEAPolicyUpdater
 from jcsaug.engine.tra_updater import TRA_ESTIMATORS, TRAPolicyUpdater
+from jcsaug.inference.tta import IdentityWeight
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.factory import make_tea_policy, make_tra_policy
 from jcsaug.policy.io import load_policies
@@ -243,7 +244,7 @@ class AugmentationSetup:
         tea_policy_file: str | Path | None = None,
         tea_op_score: str = "alone",
         tea_z: int = 8,
-        tea_identity_weight: float | None = None,
+        tea_identity_weight: IdentityWeight = None,
         tra_catalogue: str = "spec",
         tea_mask_out_of_view: bool = False,
         tea_background_patches: int = 0,

@@ -11,6 +11,7 @@ from monai.inferers import Inferer
 from torch import nn
 
 from jcsaug.engine.tea_updater import TEAPolicyUpdater
+from jcsaug.inference.tta import IdentityWeight
 from jcsaug.policy.categorical import CategoricalPolicy
 from jcsaug.policy.factory import make_tea_policy
 
@@ -27,7 +28,7 @@ def learn_tea_posthoc(
     estimator: str = "gumbel",
     op_score: str = "alone",
     tta_z: int = 8,
-    tta_identity_weight: float | None = None,
+    tta_identity_weight: IdentityWeight = None,
     inferer: Inferer | None = None,
     mask_out_of_view: bool = False,
     background_patches: int = 0,

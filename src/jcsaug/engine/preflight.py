@@ -249,7 +249,9 @@ def _patch_size(value: Any) -> str | None:
 
 
 def _identity_weight(value: Any) -> str | None:
-    return None if value is None or (_finite(value) and 0 < value < 1) else "must be a number in (0, 1), or None"
+    if value is None or value == "equal" or (_finite(value) and 0 < value < 1):
+        return None
+    return "must be a number in (0, 1), 'equal', or None"
 
 
 def _optional_positive(value: Any) -> str | None:

@@ -15,7 +15,7 @@ from torch import nn
 from jcsaug.data.volume_stats import batch_volume_stats
 from jcsaug.engine.base import PolicyUpdater, PrepareBatch, SkipUpdate, ValidationStream, make_prepare_batch
 from jcsaug.engine.losses import main_output
-from jcsaug.inference.tta import tta_selection
+from jcsaug.inference.tta import IdentityWeight, check_identity_weight, tta_selection
 from jcsaug.ops.intensity import VolumeStats
 from jcsaug.ops.tea import apply_tea_ops, apply_tea_ops_by_shape, in_view_masks
 from jcsaug.policy.categorical import CategoricalPolicy
@@ -224,7 +224,7 @@ class TEAPolicyUpdater(PolicyUpdater):
         effect_smoothing: float = 0.1,
         op_score: str = "alone",
         tta_z: int = 8,
-        tta_identity_weight: float | None = None,
+        tta_identity_weight: IdentityWeight = None,
         inferer: Inferer | None = None,
         step_rule: str = "adam",
         mask_out_of_view: bool = False,
@@ -257,7 +257,7 @@ class TEAPolicyUpdater(PolicyUpdater):
             raise ValueError("background_patches needs an op_score other than 'ensemble' (it scores one patch)")
         self._settings.update(estimator=estimator, num_copies=int(num_copies), patches=self.patches)
         self.tta_z = int(tta_z)
-        self.tta_identity_weight = None if tta_identity_weight is None else float(tta_identity_weight)
+        self.tta_identity_weight = check_identity_weight(tta_identity_weight)
         if self.op_score == "ensemble":
             self._settings.update(tta_z=self.tta_z, tta_identity_weight=self.tta_identity_weight)
         self.mask_out_of_view = bool(mask_out_of_view)

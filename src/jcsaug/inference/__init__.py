@@ -10,6 +10,7 @@ from jcsaug.inference.pipeline import (
 )
 from jcsaug.inference.predict import predict_cases, report_predictions
 from jcsaug.inference.tta import (
+    EQUAL_WEIGHTS,
     TTA_INFERERS,
     BlendedTTAInferer,
     MirrorTTAInferer,
@@ -27,6 +28,7 @@ from jcsaug.inference.tta import (
 )
 
 __all__ = [
+    "EQUAL_WEIGHTS",
     "LogitsToSegmentationd",
     "TTA_INFERERS",
     "BlendedTTAInferer",

@@ -31,29 +31,51 @@ from jcsaug.registry import Registry
 Average = Literal["logits", "probabilities"]
 
 
+#: the ``identity_weight`` that gives the identity and the ``z - 1`` other ops of highest probability 1/z each
+EQUAL_WEIGHTS = "equal"
+
+IdentityWeight = float | Literal["equal"] | None
+
+
+def check_identity_weight(value: IdentityWeight) -> IdentityWeight:
+    """``value`` as a TTA's ``identity_weight``: ``None``, :data:`EQUAL_WEIGHTS` or a float in (0, 1); anything else
+    is a ``ValueError`` naming it."""
+    if value is None or value == EQUAL_WEIGHTS:
+        return value
+    try:
+        w = float(value)
+    except (TypeError, ValueError):
+        w = float("nan")
+    if not 0.0 < w < 1.0:  # (NaN too)
+        raise ValueError(f"identity_weight must be in (0, 1), {EQUAL_WEIGHTS!r} or None, got {value!r}")
+    return w
+
+
 def tta_selection(
-    logits: torch.Tensor, z: int = 8, identity_weight: float | None = None, name: str = "z"
+    logits: torch.Tensor, z: int = 8, identity_weight: IdentityWeight = None, name: str = "z"
 ) -> tuple[list[int], torch.Tensor]:
     """The ops a learned TTA uses and their weights, from a TEA policy's ``[N]`` logits (op 0: the identity):
     ``(indices, float64 weights summing to 1)``.
 
     The ``z`` ops of highest probability weighted by the softmax of their logits (the paper's); with an
     ``identity_weight`` w in (0, 1), the identity at w and the ``z - 1`` other ops of highest probability sharing
-    1 - w by the softmax of their logits (see :meth:`TEAInferer.from_policy`). A ``z`` outside ``[1, N]`` is an error
-    naming it as ``name`` (the caller's setting)."""
+    1 - w by the softmax of their logits (see :meth:`TEAInferer.from_policy`); with ``"equal"``
+    (:data:`EQUAL_WEIGHTS`), the identity and the ``z - 1`` other ops of highest probability at 1/z each (research,
+    benchmarks/README.md: the probabilities choose the ops, not their weights). A ``z`` outside ``[1, N]`` is an
+    error naming it as ``name`` (the caller's setting)."""
     if not 1 <= z <= len(logits):
         raise ValueError(f"{name} must be in [1, {len(logits)}], got {z}")
+    identity_weight = check_identity_weight(identity_weight)
     if identity_weight is None:
         top = torch.topk(logits, z).indices
         return [int(i) for i in top], torch.softmax(logits[top].double(), 0)
-    w = float(identity_weight)
-    if not 0.0 < w < 1.0:
-        raise ValueError(f"identity_weight must be in (0, 1) or None, got {identity_weight}")
     if z < 2:
         raise ValueError(f"{name} must be >= 2 with an identity_weight (the identity and at least one op), got {z}")
     top = torch.topk(logits[1:], z - 1).indices + 1  # op 0 is the identity
-    others = (1.0 - w) * torch.softmax(logits[top].double(), 0)
-    return [0, *(int(i) for i in top)], torch.cat([torch.tensor([w], dtype=torch.float64), others])
+    if identity_weight == EQUAL_WEIGHTS:
+        return [0, *(int(i) for i in top)], torch.full((z,), 1.0 / z, dtype=torch.float64)
+    others = (1.0 - identity_weight) * torch.softmax(logits[top].double(), 0)
+    return [0, *(int(i) for i in top)], torch.cat([torch.tensor([identity_weight], dtype=torch.float64), others])
 
 
 def _normalised_weights(weights: Sequence[float] | torch.Tensor | None, n: int) -> list[float]:
@@ -111,7 +133,7 @@ class TEAInferer(Inferer):
         z: int = 8,
         base_inferer: Inferer | None = None,
         average: Average = "logits",
-        identity_weight: float | None = None,
+        identity_weight: IdentityWeight = None,
     ) -> TEAInferer:
         """The ``z`` ops of highest probability, weighted by the softmax of their logits (the paper's).
 
@@ -119,7 +141,8 @@ class TEAInferer(Inferer):
         probability sharing the rest by the softmax of their logits. With 1/2, the ensemble is the
         probability-weighted mixture of (identity, op) pairs, the ensemble a policy learned with a TEA op score of
         ``with-identity`` (:class:`jcsaug.engine.TEAPolicyUpdater`) scored its ops for: such a policy can put
-        its weight on ops that help only beside the identity (a zoom that fails alone)."""
+        its weight on ops that help only beside the identity (a zoom that fails alone). ``"equal"``: the identity
+        and the ``z - 1`` non-identity ops of highest probability, 1/z each (:func:`tta_selection`)."""
         if policy.num_series != 1 or policy.series_sizes[0] != len(TEA_OPS):
             raise ValueError(
                 f"not a TEA policy: expected one series of {len(TEA_OPS)} ops, got sizes {list(policy.series_sizes)}"
@@ -311,11 +334,11 @@ class PolicyFileTEAInferer(TEAInferer):
         source: TEAPolicyFile | str | Path,
         z: int = 8,
         base_inferer: Inferer | None = None,
-        identity_weight: float | None = None,
+        identity_weight: IdentityWeight = None,
         average: Average = "logits",
     ) -> None:
         source = source if isinstance(source, TEAPolicyFile) else TEAPolicyFile(source)
-        self.path, self.z, self.identity_weight = Path(source.path), int(z), identity_weight
+        self.path, self.z, self.identity_weight = Path(source.path), int(z), check_identity_weight(identity_weight)
         self._signature: tuple | None = None
         policy = self._read(missing_ok=True)
         if policy is None:
@@ -369,7 +392,7 @@ class PolicyFileTEAInferer(TEAInferer):
 
 
 def _learned(
-    base: Inferer | None, tea_policy: TEAPolicyLike, z: int, identity_weight: float | None = None
+    base: Inferer | None, tea_policy: TEAPolicyLike, z: int, identity_weight: IdentityWeight = None
 ) -> TEAInferer:
     if tea_policy is None:
         raise _NeedsPolicy("test-time augmentation 'learned' needs a TEA policy, and none was given")
@@ -413,13 +436,13 @@ def make_tta_inferer(
     base_inferer: Inferer | None = None,
     tea_policy: TEAPolicyLike = None,
     z: int = 8,
-    identity_weight: float | None = None,
+    identity_weight: IdentityWeight = None,
 ) -> Inferer:
     """The one factory of test-time inferers: ``none`` (plain), ``heuristic`` (nnU-Net's 8 mirrorings),
     ``learned`` (the top ``z`` ops of ``tea_policy``: a policy, or a ``policies.json``/checkpoint path or
     :class:`TEAPolicyFile`, followed as the file changes, :class:`PolicyFileTEAInferer`; with
-    ``identity_weight``, the identity at that weight and the top ``z - 1`` other ops, see
-    :meth:`TEAInferer.from_policy`; passed to a registered factory only when given) or ``learned+mirror``
+    ``identity_weight``, the identity at that weight (or ``"equal"``: 1/z, as each other op) and the top ``z - 1``
+    other ops, see :meth:`TEAInferer.from_policy`; passed to a registered factory only when given) or ``learned+mirror``
     (:class:`BlendedTTAInferer` of ``learned`` and ``heuristic``, 1:1).
 
     >>> from monai.inferers import SimpleInferer
@@ -431,7 +454,8 @@ def make_tta_inferer(
     >>> type(make_tta_inferer("heuristic", SimpleInferer())).__name__  # nnU-Net's 8 mirrorings
     'MirrorTTAInferer'
     """
-    options = {} if identity_weight is None else {"identity_weight": float(identity_weight)}
+    identity_weight = check_identity_weight(identity_weight)
+    options = {} if identity_weight is None else {"identity_weight": identity_weight}
     return get_tta_inferer(method)(base_inferer, tea_policy, int(z), **options)
 
 
@@ -441,7 +465,7 @@ def make_tta_inferers(
     tea_policy: TEAPolicyLike = None,
     z: int = 8,
     skip_unavailable: bool = False,
-    identity_weight: float | None = None,
+    identity_weight: IdentityWeight = None,
 ) -> dict[str, Inferer]:
     """``{method: make_tta_inferer(method, ...)}``; ``skip_unavailable`` leaves out ``learned`` (and the blends of
     it) when there is no TEA policy (e.g. every registered method a finished run can be evaluated with);
