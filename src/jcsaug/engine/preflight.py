@@ -41,6 +41,7 @@ from jcsaug.data.checks import pair_problems
 from jcsaug.engine.resume import RESUME_FILE, check_resume_matches
 from jcsaug.evaluation.postprocessing import POSTPROCESSING_NAME, chooses_on_validation
 from jcsaug.evaluation.splits import EVALUATION_SPLITS, evaluation_file_names, evaluation_split
+from jcsaug.inference.tta import EQUAL_WEIGHTS
 from jcsaug.utils import as_flag, as_share
 
 __all__ = [
@@ -249,9 +250,9 @@ def _patch_size(value: Any) -> str | None:
 
 
 def _identity_weight(value: Any) -> str | None:
-    if value is None or value == "equal" or (_finite(value) and 0 < value < 1):
+    if value is None or value == EQUAL_WEIGHTS or (_finite(value) and 0 < value < 1):
         return None
-    return "must be a number in (0, 1), 'equal', or None"
+    return f"must be a number in (0, 1), {EQUAL_WEIGHTS!r}, or None"
 
 
 def _optional_positive(value: Any) -> str | None:
