@@ -84,7 +84,6 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -283,25 +282,22 @@ def default_validation_volumes() -> int:
     return inspect.signature(make_synthetic_dataset).parameters["num_val"].default
 
 
-def prepare_dataset(out: Path, shift: str | Mapping, num_val: int | None = None) -> tuple[Path, dict]:
-    """The synthetic dataset of ``shift`` under ``out/data_<shift_name>`` (made once) and its ``domain_shift``.
-
-    ``num_val``: its validation volumes (default: :func:`default_validation_volumes`); the cases are seeded by split
-    and index, so the first ones and the test volumes are the same arrays whatever the count. A dataset already in
-    ``out`` with another count is refused (an ``--out`` holds one dataset per shift)."""
+def prepare_dataset(out: Path, shift: str | Mapping, num_val: int) -> tuple[Path, dict]:
+    """The synthetic dataset of ``shift`` with ``num_val`` validation volumes under ``out/data_<shift_name>`` (made
+    once) and its ``domain_shift``. The cases are seeded by split and index, so the first validation volumes and the
+    test volumes are the same arrays whatever the count. A dataset already in ``out`` with another count is refused
+    (an ``--out`` holds one dataset per shift)."""
     from jcsaug.data import make_synthetic_dataset
 
-    num_val = default_validation_volumes() if num_val is None else num_val
     data = out / f"data_{shift_name(shift)}"
-    with warnings.catch_warnings():  # a dataset made with other arguments: refused below, by name
-        warnings.simplefilter("ignore")
-        json_path = make_synthetic_dataset(data, seed=0, num_val=num_val, target_shift=shift, progress=False)
-    datalist = json.loads(Path(json_path).read_text())
-    found = len(datalist["validation"])
-    if found != num_val:
-        raise SystemExit(f"{data} holds a dataset with {found} validation volumes, not the {num_val} asked for "
-                         "(--num-val): give another --out")  # fmt: skip
-    return data, datalist["domain_shift"]
+    existing = data / "dataset.json"
+    if existing.is_file():  # refused before make_synthetic_dataset would return it unchanged with a warning
+        found = len(json.loads(existing.read_text())["validation"])
+        if found != num_val:
+            raise SystemExit(f"{data} holds a dataset with {found} validation volumes, not the {num_val} asked for "
+                             "(--num-val): give another --out")  # fmt: skip
+    json_path = make_synthetic_dataset(data, seed=0, num_val=num_val, target_shift=shift, progress=False)
+    return data, json.loads(Path(json_path).read_text())["domain_shift"]
 
 
 def run_settings(mode: str, seed: int, data: Path, overrides: dict, device: str) -> dict:
