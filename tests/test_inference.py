@@ -170,7 +170,7 @@ def test_identity_weight_makes_the_ensemble_the_probability_weighted_mixture_of_
 def test_equal_identity_weight_gives_the_identity_and_the_top_other_ops_one_zth_each(tmp_path):
     """``identity_weight="equal"``: the identity (once, whatever its logit) and the ``z - 1`` other ops of highest
     probability, 1/z each, whatever their logits: the output is the plain mean of the copies' mapped-back logits. From
-    a policy file too; a string other than ``"equal"`` is refused, naming the setting."""
+    a policy file too; a string other than ``"equal"`` (a numeric one too) or a bool is refused, naming the setting."""
     from jcsaug.inference import EQUAL_WEIGHTS, make_tta_inferers
 
     policy = make_tea_policy("uniform")
@@ -188,8 +188,8 @@ def test_equal_identity_weight_gives_the_identity_and_the_top_other_ops_one_zth_
     learned = make_tta_inferers(["learned"], None, path, z=4, identity_weight="equal")["learned"]
     assert learned.ops[0].id == 0 and len(learned.ops) == 4
     np.testing.assert_allclose(learned.weights, [0.25] * 4, rtol=1e-12)
-    for bad in ("half", "Equal", float("nan")):
-        with pytest.raises(ValueError, match="identity_weight must be in"):
+    for bad in ("half", "Equal", "0.5", True, float("nan")):  # a numeric string or a bool is not a weight
+        with pytest.raises(ValueError, match=r"identity_weight must be a number in \(0, 1\), 'equal' or None"):
             TEAInferer.from_policy(policy, z=3, identity_weight=bad)
     with pytest.raises(ValueError, match="z must be >= 2"):
         TEAInferer.from_policy(policy, z=1, identity_weight=EQUAL_WEIGHTS)

@@ -118,6 +118,7 @@ _BUDGET = "must be a finite number > 0, or None (no budget: the learning rate is
         ("roi_threshold", "body", "must be a finite number, or None"),
         ("tea_identity_weight", 1.0, "must be a number in (0, 1), 'equal', or None"),
         ("tea_identity_weight", "half", "must be a number in (0, 1), 'equal', or None"),
+        ("tea_identity_weight", "0.5", "must be a number in (0, 1), 'equal', or None"),  # as the inferers refuse it
         ("train_loss", "focal", "must be one of ce, ce+dice, dice"),
         ("val_loss", "focal", "must be one of batch-dice, ce+batch-dice, ce, ce+dice, dice"),
         ("tea_patch_size", [48, 0, 48], "must be a list of positive integers, one per spatial axis, e.g. [32, 32, 32], "

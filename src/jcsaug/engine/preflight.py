@@ -41,7 +41,7 @@ from jcsaug.data.checks import pair_problems
 from jcsaug.engine.resume import RESUME_FILE, check_resume_matches
 from jcsaug.evaluation.postprocessing import POSTPROCESSING_NAME, chooses_on_validation
 from jcsaug.evaluation.splits import EVALUATION_SPLITS, evaluation_file_names, evaluation_split
-from jcsaug.inference.tta import EQUAL_WEIGHTS
+from jcsaug.inference.tta import EQUAL_WEIGHTS, check_identity_weight
 from jcsaug.utils import as_flag, as_share
 
 __all__ = [
@@ -250,9 +250,11 @@ def _patch_size(value: Any) -> str | None:
 
 
 def _identity_weight(value: Any) -> str | None:
-    if value is None or value == EQUAL_WEIGHTS or (_finite(value) and 0 < value < 1):
-        return None
-    return f"must be a number in (0, 1), {EQUAL_WEIGHTS!r}, or None"
+    try:
+        check_identity_weight(value)  # the rule the inferers and the TEA updater apply
+    except ValueError:
+        return f"must be a number in (0, 1), {EQUAL_WEIGHTS!r}, or None"
+    return None
 
 
 def _optional_positive(value: Any) -> str | None:

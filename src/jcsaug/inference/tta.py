@@ -14,6 +14,7 @@ through the base inferer together as one batch.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,18 +38,16 @@ EQUAL_WEIGHTS = "equal"
 IdentityWeight = float | Literal["equal"] | None
 
 
-def check_identity_weight(value: IdentityWeight) -> IdentityWeight:
-    """``value`` as a TTA's ``identity_weight``: ``None``, :data:`EQUAL_WEIGHTS` or a float in (0, 1); anything else
-    is a ``ValueError`` naming it."""
+def check_identity_weight(value: object) -> IdentityWeight:
+    """``value`` as a TTA's ``identity_weight``: ``None``, :data:`EQUAL_WEIGHTS` or a real number in (0, 1)
+    (returned as a float); anything else, a numeric string or a bool included, is a ``ValueError`` naming it.
+    Preflight checks a bundle's ``tea_identity_weight`` with this same function."""
     if value is None or value == EQUAL_WEIGHTS:
-        return value
-    try:
-        w = float(value)
-    except (TypeError, ValueError):
-        w = float("nan")
-    if not 0.0 < w < 1.0:  # (NaN too)
-        raise ValueError(f"identity_weight must be in (0, 1), {EQUAL_WEIGHTS!r} or None, got {value!r}")
-    return w
+        return value  # type: ignore[return-value]
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not (real and 0.0 < float(value) < 1.0):  # (NaN fails the comparison)
+        raise ValueError(f"identity_weight must be a number in (0, 1), {EQUAL_WEIGHTS!r} or None, got {value!r}")
+    return float(value)
 
 
 def tta_selection(
