@@ -18,7 +18,7 @@ import pytest
 import torch
 from monai.bundle import ConfigParser, ConfigWorkflow
 
-from helpers import CONFIGS, bundle_run_args, small_dataset
+from helpers import CONFIGS, SMALL_DATASET_KEPT, bundle_run_args, small_dataset
 from jcsaug.engine import nonfinite_entries, read_checkpoint, save_checkpoint_atomic
 from jcsaug.engine.preflight import PreflightError, check_override_ids
 from jcsaug.inference import TEAInferer
@@ -26,8 +26,7 @@ from preloaded import run_module
 
 pytestmark = [
     pytest.mark.usefixtures("single_thread"),
-    # the bundle's datalist keeps small_dataset's volumes (and says so): expected here, not a finding
-    pytest.mark.filterwarnings("ignore:.*exists but was not made with:UserWarning"),
+    pytest.mark.filterwarnings(SMALL_DATASET_KEPT),
 ]
 
 BUNDLES = CONFIGS.parents[1]

@@ -35,7 +35,7 @@ from monai.engines import SupervisedEvaluator
 from monai.utils import BundleProperty, BundlePropertyConfig
 
 from fake_raw import TASK_NAMES
-from helpers import BUNDLES, bundle_parser, small_dataset
+from helpers import BUNDLES, SMALL_DATASET_KEPT, bundle_parser, small_dataset
 
 ALL_BUNDLES = (*TASK_NAMES, "synthetic_lesion")
 INPUT_SHAPE_ID = "_meta_#network_data_format#inputs#image#spatial_shape"
@@ -118,6 +118,9 @@ def test_ckpt_export_scripts_the_synthetic_bundles_network(tmp_path):
         torch.testing.assert_close(exported(x), net(x))
 
 
+#: MONAI FL builds the evaluation before the client's first round writes the run's policies.json, and the learned TTA
+#: says it starts from the initial TEA policy: expected in these tests
+NO_POLICIES_YET = "ignore:.*policies.json does not exist yet:UserWarning"
 #: torch's check of MONAI's DynUNet warns on its `heads: list[torch.Tensor]` (torch reads lowercase `list` as empty)
 SCRIPT_WARNING = "ignore:The TorchScript type system doesn't support instance-level annotations:UserWarning"
 #: narrow networks for the export tests (the export's mechanics do not depend on the width), and a second input
@@ -200,6 +203,7 @@ TRACKING = {
 }  # fmt: skip
 
 
+@pytest.mark.filterwarnings(SMALL_DATASET_KEPT)
 def test_a_training_workflow_reads_and_sets_the_properties(tmp_path):
     """The synthetic bundle as MONAI FL drives a bundle: ``check_properties`` finds nothing missing, the properties
     are the run's objects, and ``max_epochs`` set through its property is what the trainer runs, the learning-rate
@@ -231,6 +235,8 @@ def test_a_training_workflow_reads_and_sets_the_properties(tmp_path):
     assert (tmp_path / "run" / "policies.json").is_file()
 
 
+@pytest.mark.filterwarnings(NO_POLICIES_YET)
+@pytest.mark.filterwarnings(SMALL_DATASET_KEPT)
 @pytest.mark.parametrize("planned_epochs", [None, 2])
 def test_monai_fl_trains_the_bundle_round_after_round(tmp_path, planned_epochs, caplog):
     """MONAI FL's client (``MonaiAlgo``) on the synthetic bundle, two rounds of one local epoch from the server's
@@ -314,6 +320,7 @@ def test_inference_properties_are_at_monais_ids(bundle):
     assert workflow.parser["evaluator#val_handlers"] == "@handlers"
 
 
+@pytest.mark.filterwarnings(SMALL_DATASET_KEPT)
 def test_an_inference_workflow_saves_what_the_network_predicts(tmp_path):
     """The synthetic bundle's inference as MONAI drives an inference bundle: ``check_properties`` finds nothing
     missing, the properties are the run's objects, and ``run`` loads the run's checkpoint and saves, per test volume,
@@ -378,6 +385,7 @@ def test_evaluation_properties_are_at_monais_ids(bundle):
     assert workflow.parser["validate#dataset#transform"] == "$@validate#preprocessing"
 
 
+@pytest.mark.filterwarnings(SMALL_DATASET_KEPT)
 def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(tmp_path):
     """The synthetic bundle's evaluation as MONAI drives an evaluation bundle: ``check_properties`` finds nothing
     missing, ``run`` loads the run's checkpoint and writes ``metrics_evaluate.json``, the evaluator's state holds
@@ -436,6 +444,8 @@ def test_an_evaluation_workflow_scores_every_method_and_reports_it_to_handlers(t
     assert {m: written[m]["mean_dice"] for m in ("none", "heuristic")} == {"none": 1.0, "heuristic": 1.0}
 
 
+@pytest.mark.filterwarnings(NO_POLICIES_YET)
+@pytest.mark.filterwarnings(SMALL_DATASET_KEPT)
 def test_monai_fl_evaluates_the_servers_weights_with_evaluate_yaml(tmp_path):
     """MONAI FL's client with the bundle's evaluation config (``train.yaml`` + ``evaluate.yaml``, as MonaiAlgo's
     default ``config_evaluate_filename``): ``evaluate`` scores the server's weights on the test split and returns

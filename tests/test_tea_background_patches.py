@@ -8,7 +8,7 @@ import torch
 from ignite.engine import Engine
 from torch import nn
 
-from helpers import small_dataset, spy_posthoc_tea_updater
+from helpers import SMALL_DATASET_KEPT, small_dataset, spy_posthoc_tea_updater
 from jcsaug.engine import AugmentationSetup, TEAPolicyUpdater
 from jcsaug.engine.preflight import PreflightError, check_settings
 from jcsaug.engine.tea_updater import soft_dice_loss
@@ -140,6 +140,7 @@ def synthetic(tmp_path_factory):
     return root / "data"
 
 
+@pytest.mark.filterwarnings(SMALL_DATASET_KEPT)
 @pytest.mark.parametrize(("value", "expected"), [(None, 0), (2, 2)])
 def test_the_synthetic_bundle_draws_the_teas_background_patches(monkeypatch, tmp_path, synthetic, value, expected):
     """``tea_background_patches`` reaches the TEA updater, and the TEA's crop draws background-centred patches in

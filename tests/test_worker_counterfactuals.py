@@ -17,6 +17,7 @@ from monai.transforms import Compose
 from monai.utils import set_determinism
 from torch.utils.data import RandomSampler, SequentialSampler, get_worker_info
 
+from helpers import SMALL_DATASET_KEPT
 from jcsaug.engine import CounterfactualDataset, CounterfactualSampler
 from jcsaug.policy import (
     PolicySnapshotDataset,
@@ -195,7 +196,7 @@ def test_the_sampler_refuses_a_batch_size_below_one() -> None:
         CounterfactualSampler(range(3), batch_size=0)
 
 
-@pytest.mark.filterwarnings("ignore:.*exists but was not made with:UserWarning")  # the small dataset, on purpose
+@pytest.mark.filterwarnings(SMALL_DATASET_KEPT)
 @pytest.mark.parametrize("augment_on", ["worker", "device"])
 def test_the_bundle_tags_its_training_batches_for_the_tra_update_in_worker_mode(tmp_path, augment_on: str) -> None:
     """The default bundle's loader draws its cases through the sampler, attached to the trainer: in the workers the

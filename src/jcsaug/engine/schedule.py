@@ -29,7 +29,7 @@ class WarnAfterSchedule:
         >>> from ignite.engine import Engine
         >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         >>> scheduler = torch.optim.lr_scheduler.PolynomialLR(optimizer, total_iters=1)
-        >>> engine = Engine(lambda engine, batch: None)
+        >>> engine = Engine(lambda engine, batch: optimizer.step())  # your training step
         >>> handler = WarnAfterSchedule(scheduler)
         >>> handler.attach(engine)
         >>> _ = engine.add_event_handler(Events.EPOCH_COMPLETED, lambda engine: scheduler.step())

@@ -318,8 +318,12 @@ class PolicyFileTEAInferer(TEAInferer):
         >>> policy = make_tea_policy("uniform")
         >>> with torch.no_grad():
         ...     policy.logits[0, 38] = 5.0  # mirror_sagittal
-        >>> inferer = PolicyFileTEAInferer(TEAPolicyFile(path, initial=policy), z=1)
-        >>> [op.name for op in inferer.ops]  # the file is not there yet: the initial policy
+        >>> with warnings.catch_warnings(record=True) as said:
+        ...     warnings.simplefilter("always")
+        ...     inferer = PolicyFileTEAInferer(TEAPolicyFile(path, initial=policy), z=1)
+        >>> "does not exist yet" in str(said[0].message)  # it says so, and uses the initial policy
+        True
+        >>> [op.name for op in inferer.ops]
         ['mirror_sagittal']
         >>> with torch.no_grad():
         ...     policy.logits[0, 3] = 9.0
