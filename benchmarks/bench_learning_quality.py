@@ -244,20 +244,13 @@ def oracle_flip_off_policy_file(out: Path, undone_by: dict, groups: tuple[int, .
 
 def parse_shift(text: str) -> str | dict:
     """``--shift``: a name of ``TARGET_SHIFTS`` or a JSON object of a target domain, checked
-    (``jcsaug.data.synthetic.resolve_target_shift``; an error names the bad key and value)."""
-    from jcsaug.data.synthetic import resolve_target_shift
+    (``jcsaug.data.synthetic.parse_target_shift``; an error names the bad key and value)."""
+    from jcsaug.data.synthetic import parse_target_shift
 
-    shift: str | dict = text
-    if text.lstrip().startswith("{"):
-        try:
-            shift = json.loads(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"not a JSON object ({err}): {text}") from None
     try:
-        resolve_target_shift(shift)
+        return parse_target_shift(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-    return shift
 
 
 def shift_name(shift: str | Mapping) -> str:

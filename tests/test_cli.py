@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from jcsaug.cli import main
+from jcsaug.cli import COMMANDS, main
 from jcsaug.policy import make_tea_policy, make_tra_policy
 from jcsaug.policy.io import save_policies
 
@@ -87,6 +87,36 @@ def test_make_synthetic(tmp_path, capsys):
     assert (tmp_path / "d" / "dataset.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("shift", "recorded", "name"),
+    [
+        ("rotate-longitudinal", "rotate-longitudinal", "rotate-longitudinal"),
+        ('{"long_axis": 1, "gamma": [1.3, 1.45]}', {"long_axis": 1, "mirror_axis0": False, "gamma": [1.3, 1.45],
+         "blur": None, "scale": None, "noise": None, "low_resolution": None}, "custom"),
+    ],
+)  # fmt: skip
+def test_make_synthetic_writes_the_shift_it_is_given(tmp_path, capsys, shift, recorded, name):
+    """``--shift`` takes a name or a JSON object, as the benchmark's does; the dataset records it and the ops that
+    undo it."""
+    out = tmp_path / "d"
+    assert main(["make-synthetic", str(out), "--num-train", "1", "--num-val", "1", "--num-test", "1",
+                 "--shape", "16", "16", "16", "--shift", shift]) == 0  # fmt: skip
+    assert capsys.readouterr().out.strip() == str(out / "dataset.json")
+    meta = json.loads((out / "dataset.json").read_text())
+    assert meta["target_shift"] == recorded and meta["domain_shift"]["name"] == name
+    assert meta["domain_shift"]["lesion_long_axis"]["target"] == 1 and meta["domain_shift"]["undone_by"]
+
+
+def test_the_help_names_what_each_sub_command_does(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    for name, (_, run) in COMMANDS.items():
+        summary = " ".join(run.__doc__.strip().splitlines()[0].split())
+        assert f"{name} {summary}" in shown
+
+
 def _policy_file(tmp_path, edit) -> str:
     path = save_policies(tmp_path / "policies.json", make_tra_policy("nnunet", 2), make_tea_policy())
     doc = json.loads(path.read_text())
@@ -143,6 +173,10 @@ def test_policy_show_of_a_checkpoint_says_what_it_is(tmp_path, capsys):
         (["--num-train", "0"], "num_train must be a positive integer, got 0"),
         (["--shape", "8", "8", "8"], "shape must be a sequence of 3 integers >= 16"),
         (["--seed", "-3"], "seed must be a non-negative integer, got -3"),
+        (["--shift", "rot"], "unknown target_shift 'rot'; choose one of"),
+        (["--shift", '{"gamma": [2, 1]}'], "target_shift 'gamma' must be null or a pair [lo, hi]"),
+        (["--shift", '{"gamma": '], "target_shift is not a JSON object"),
+        (["--shift", '{"angle": 90}'], "unknown target_shift key(s) ['angle']"),
     ],
 )
 def test_make_synthetic_bad_arguments_are_one_line_errors(tmp_path, capsys, args, expected):

@@ -48,6 +48,7 @@ def _build_ops(p: argparse.ArgumentParser) -> None:
 
 @command("ops", _build_ops)
 def _run_ops(args: argparse.Namespace) -> int:
+    """List the TRA series and the TEA ops (or picture them: gallery)."""
     if args.ops_command == "gallery":
         from jcsaug.viz import run_gallery
 
@@ -115,6 +116,7 @@ def _print_policies(data: dict) -> None:
 
 @command("policy", _build_policy)
 def _run_policy(args: argparse.Namespace) -> int:
+    """Show or plot a policy: a run's policies.json or an initial preset."""
     if args.policy_command == "plot":
         from jcsaug.viz import run_policy_plot
 
@@ -142,22 +144,33 @@ def _run_policy(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- synthetic data
 def _build_synthetic(p: argparse.ArgumentParser) -> None:
+    from jcsaug.data.synthetic import SHIFT_KEYS, TARGET_SHIFTS
+
     p.add_argument("out_dir", help="directory to write the NIfTI volumes and dataset.json into")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-train", type=int, default=16)
-    p.add_argument("--num-val", type=int, default=4)
-    p.add_argument("--num-test", type=int, default=6)
-    p.add_argument("--shape", type=int, nargs=3, default=(48, 48, 48))
+    p.add_argument("--seed", type=int, default=0, help="seed of the volumes (default 0: the bundle's)")
+    p.add_argument("--num-train", type=int, default=16, help="source-domain training cases (default 16)")
+    p.add_argument("--num-val", type=int, default=4, help="target-domain validation cases (default 4)")
+    p.add_argument("--num-test", type=int, default=6, help="target-domain test cases (default 6)")
+    p.add_argument("--shape", type=int, nargs=3, default=(48, 48, 48), help="volume shape (default 48 48 48)")
+    names, keys = ", ".join(TARGET_SHIFTS), ", ".join(SHIFT_KEYS)
+    p.add_argument(
+        "--shift",
+        default="default",
+        help=f"the validation and test domain: a name ({names}; default: default) or a JSON object of its aspects, "
+        f'e.g. \'{{"long_axis": 1, "gamma": [1.3, 1.45]}}\' (keys: {keys}; jcsaug.data.synthetic.'
+        "resolve_target_shift)",
+    )
     p.add_argument("--overwrite", action="store_true", help="regenerate even if dataset.json exists")
 
 
 @command("make-synthetic", _build_synthetic)
 def _run_synthetic(args: argparse.Namespace) -> int:
-    from jcsaug.data.synthetic import make_synthetic_dataset
+    """Generate the synthetic lesion dataset (source-domain training, shifted validation and test)."""
+    from jcsaug.data.synthetic import make_synthetic_dataset, parse_target_shift
 
     path = make_synthetic_dataset(
         args.out_dir, num_train=args.num_train, num_val=args.num_val, num_test=args.num_test,
-        shape=tuple(args.shape), seed=args.seed, overwrite=args.overwrite,
+        shape=tuple(args.shape), seed=args.seed, overwrite=args.overwrite, target_shift=parse_target_shift(args.shift),
     )  # fmt: skip
     print(path)
     return 0
@@ -190,6 +203,7 @@ def _build_prepare(p: argparse.ArgumentParser) -> None:
 
 @command("prepare", _build_prepare)
 def _run_prepare(args: argparse.Namespace) -> int:
+    """Turn a paper dataset as published into its bundle's layout (resampled NIfTI and a MONAI datalist)."""
     import logging
 
     from jcsaug.tasks import PrepareError, prepare_task
@@ -216,6 +230,7 @@ def _build_report(p: argparse.ArgumentParser) -> None:
 
 @command("report", _build_report)
 def _run_report(args: argparse.Namespace) -> int:
+    """Compare runs as the paper does: mean metrics, average rank, Wilcoxon tests against a baseline."""
     from jcsaug.evaluation.report import run_report
 
     return run_report(args)
@@ -224,8 +239,9 @@ def _run_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jcsaug", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (build, _) in COMMANDS.items():
-        build(sub.add_parser(name))
+    for name, (build, run) in COMMANDS.items():
+        summary = run.__doc__.strip().splitlines()[0] if run.__doc__ else None
+        build(sub.add_parser(name, help=summary, description=summary))
     return parser
 
 

@@ -75,6 +75,7 @@ __all__ = [
     "changed_aspects",
     "describe_shift",
     "make_synthetic_dataset",
+    "parse_target_shift",
     "resolve_target_shift",
     "shift_undoing_ops",
     "synthesize_case",
@@ -213,6 +214,25 @@ def resolve_target_shift(shift: str | Mapping) -> tuple[str, dict]:
               **{key: _check_pair(key, cfg[key], open_low, _RANGE_MAX.get(key, math.inf))
                  for key, open_low in _RANGE_KEYS.items()}}  # fmt: skip
     return next((name for name, known in TARGET_SHIFTS.items() if known == target), CUSTOM_SHIFT), target
+
+
+def parse_target_shift(text: str) -> str | dict:
+    """A ``target_shift`` written as text (a command line's ``--shift``): a :data:`TARGET_SHIFTS` name, or a JSON object
+    of :data:`SHIFT_KEYS`, e.g. ``'{"long_axis": 1, "blur": [0.8, 1.0]}'``; checked (:func:`resolve_target_shift`) and
+    returned as given (the name, or the parsed mapping).
+
+    Raises:
+        ValueError: text that starts with ``{`` but is not a JSON object, or a shift :func:`resolve_target_shift`
+            refuses (the message names the bad name, key or value).
+    """
+    shift: str | dict = text
+    if text.lstrip().startswith("{"):
+        try:
+            shift = json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"target_shift is not a JSON object ({err}): {text}") from None
+    resolve_target_shift(shift)
+    return shift
 
 
 def changed_aspects(shift: str | Mapping) -> dict:
