@@ -107,11 +107,12 @@ def test_make_synthetic_writes_the_shift_it_is_given(tmp_path, capsys, shift, re
     assert meta["domain_shift"]["lesion_long_axis"]["target"] == 1 and meta["domain_shift"]["undone_by"]
 
 
-def test_the_help_names_what_each_sub_command_does(capsys):
+def test_the_help_names_what_each_sub_command_does(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # argparse wraps at the terminal's width, also at a hyphen
     with pytest.raises(SystemExit) as exited:
         main(["--help"])
     assert exited.value.code == 0
-    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    shown = " ".join(capsys.readouterr().out.split())
     for name, (_, run) in COMMANDS.items():
         summary = " ".join(run.__doc__.strip().splitlines()[0].split())
         assert f"{name} {summary}" in shown
