@@ -42,8 +42,10 @@ def check_identity_weight(value: object) -> IdentityWeight:
     """``value`` as a TTA's ``identity_weight``: ``None``, :data:`EQUAL_WEIGHTS` or a real number in (0, 1)
     (returned as a float); anything else, a numeric string or a bool included, is a ``ValueError`` naming it.
     Preflight checks a bundle's ``tea_identity_weight`` with this same function."""
-    if value is None or value == EQUAL_WEIGHTS:
-        return None if value is None else EQUAL_WEIGHTS
+    if value is None:
+        return None
+    if value == EQUAL_WEIGHTS:
+        return EQUAL_WEIGHTS
     real = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if not (real and 0.0 < float(value) < 1.0):  # (NaN fails the comparison)
         raise ValueError(f"identity_weight must be a number in (0, 1), {EQUAL_WEIGHTS!r} or None, got {value!r}")
