@@ -630,6 +630,21 @@ def test_the_documented_paper_estimators_pass_the_bundles_checks():
     assert isinstance(cause, PreflightError) and "--tra_step 'natural-unbiased'" in str(cause)
 
 
+def test_the_documented_decision_7_line_passes_the_checks_and_sets_both_settings():
+    """bundles/README.md's one-run line for decision 7's package (the TRA scored without the TEA's ops, the learned
+    TTA at equal weights) is one the synthetic bundle accepts, and it sets what the benchmark measured."""
+    from jcsaug.inference.tta import EQUAL_WEIGHTS
+    from jcsaug.utils import as_share
+
+    docs = (CONFIGS.parent.parent / "README.md").read_text()
+    (line,) = re.findall(r"`(--tra_val_tea false --tea_identity_weight[^`]*)`", docs)
+    tokens = line.split()
+    check_override_ids(_argv(*tokens))
+    parser = _checked_synthetic_config({i[2:]: _as_fire_reads(v) for i, v in zip(tokens[0::2], tokens[1::2])})
+    assert as_share(parser.get_parsed_content("tra_val_tea")) == 0
+    assert parser.get_parsed_content("augmentation").tea_identity_weight == EQUAL_WEIGHTS
+
+
 def test_the_learning_benchmarks_paper_mode_is_the_documented_line_and_passes_the_checks():
     from helpers import load_benchmark
 
