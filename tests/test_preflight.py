@@ -16,7 +16,7 @@ import torch
 from ignite.engine import Engine
 from monai.networks.nets import UNet
 
-from helpers import CONFIGS
+from helpers import BUNDLES, CONFIGS
 from jcsaug.engine import (
     PreflightError,
     ResumeCheckpoint,
@@ -636,7 +636,7 @@ def test_the_documented_decision_7_line_passes_the_checks_and_sets_both_settings
     from jcsaug.inference.tta import EQUAL_WEIGHTS
     from jcsaug.utils import as_share
 
-    docs = (CONFIGS.parent.parent / "README.md").read_text()
+    docs = (BUNDLES / "README.md").read_text()
     (line,) = re.findall(r"`(--tra_val_tea false --tea_identity_weight[^`]*)`", docs)
     tokens = line.split()
     check_override_ids(_argv(*tokens))
