@@ -612,16 +612,21 @@ def _checked_synthetic_config(overrides: dict):
     return parser
 
 
+def _checked_command_line(tokens: list[str]):
+    """A documented ``--id value ...`` line as the bundle's command line takes it: its ids exist and its values pass
+    the checks (:func:`_checked_synthetic_config`)."""
+    ids, values = tokens[0::2], tokens[1::2]
+    assert all(i.startswith("--") for i in ids) and len(ids) == len(values), tokens
+    check_override_ids(_argv(*tokens))
+    return _checked_synthetic_config({i[2:]: _as_fire_reads(v) for i, v in zip(ids, values)})
+
+
 def test_the_documented_paper_estimators_pass_the_bundles_checks():
     """The docs' line that restores the paper's estimators is one the bundle accepts: its ids exist and its values
     go together (the line once kept the bundle's natural-gradient step, which gumbel refuses)."""
     from monai.bundle import ConfigParser
 
-    tokens = _documented_paper_overrides()
-    ids, values = tokens[0::2], tokens[1::2]
-    assert all(i.startswith("--") for i in ids) and len(ids) == len(values), tokens
-    check_override_ids(_argv(*tokens))
-    parser = _checked_synthetic_config({i[2:]: _as_fire_reads(v) for i, v in zip(ids, values)})
+    parser = _checked_command_line(_documented_paper_overrides())
     assert parser["tra_estimator"] == parser["tea_estimator"] == "gumbel" and parser["tra_step"] == "adam"
     parser.update({"tra_step": "natural-unbiased"})  # the bundle's own step with gumbel is refused, by name
     with pytest.raises(RuntimeError) as raised:  # monai.bundle wraps the expression's error
@@ -638,9 +643,7 @@ def test_the_documented_decision_7_line_passes_the_checks_and_sets_both_settings
 
     docs = (BUNDLES / "README.md").read_text()
     (line,) = re.findall(r"`(--tra_val_tea false --tea_identity_weight[^`]*)`", docs)
-    tokens = line.split()
-    check_override_ids(_argv(*tokens))
-    parser = _checked_synthetic_config({i[2:]: _as_fire_reads(v) for i, v in zip(tokens[0::2], tokens[1::2])})
+    parser = _checked_command_line(line.split())
     assert as_share(parser.get_parsed_content("tra_val_tea")) == 0
     assert parser.get_parsed_content("augmentation").tea_identity_weight == EQUAL_WEIGHTS
 
