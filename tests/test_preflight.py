@@ -584,11 +584,15 @@ def test_the_evaluation_check_names_a_bad_or_empty_split_and_checks_the_cases_of
         check_evaluation_data("test", {"test": [broken], "validation": [good]})
 
 
+def _documented_command_line(docs: Path, start: str) -> list[str]:
+    """The tokens of the one backticked command line in ``docs`` that begins with ``start``."""
+    (line,) = re.findall(rf"`({re.escape(start)}[^`]*)`", docs.read_text())
+    return line.split()
+
+
 def _documented_paper_overrides() -> list[str]:
     """The command-line overrides the synthetic bundle's docs give for the paper's estimators."""
-    docs = (CONFIGS.parent / "docs" / "README.md").read_text()
-    (line,) = re.findall(r"`(--tra_estimator gumbel[^`]*)`", docs)
-    return line.split()
+    return _documented_command_line(CONFIGS.parent / "docs" / "README.md", "--tra_estimator gumbel")
 
 
 def _as_fire_reads(text: str):
@@ -641,9 +645,8 @@ def test_the_documented_decision_7_line_passes_the_checks_and_sets_both_settings
     from jcsaug.inference.tta import EQUAL_WEIGHTS
     from jcsaug.utils import as_share
 
-    docs = (BUNDLES / "README.md").read_text()
-    (line,) = re.findall(r"`(--tra_val_tea false --tea_identity_weight[^`]*)`", docs)
-    parser = _checked_command_line(line.split())
+    tokens = _documented_command_line(BUNDLES / "README.md", "--tra_val_tea false --tea_identity_weight")
+    parser = _checked_command_line(tokens)
     assert as_share(parser.get_parsed_content("tra_val_tea")) == 0
     assert parser.get_parsed_content("augmentation").tea_identity_weight == EQUAL_WEIGHTS
 
